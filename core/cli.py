@@ -1,0 +1,161 @@
+"""The ``i3core`` command: parse, build, run, close. Errors are one line and a non-zero exit."""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from i3core import __version__
+from i3core.errors import ConfigError, I3Error
+
+DEBUG_ENV = "I3CORE_DEBUG"
+"""Set to 1 to let unexpected exceptions show their traceback."""
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="path to a plugins.toml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (TOML syntax, e.g. --set loss.mask_high=4.0); repeatable",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="i3core",
+        description="Asynchronous, agentic RL post-training, one plugin per strategy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"i3core {__version__}")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="console log level"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run every role of plugins.toml on this machine", description="Validate the "
+                              "config, build every component and run the training job.")
+    _add_config_args(run)
+    run.set_defaults(func=cmd_run)
+
+    check = commands.add_parser("check", help="validate plugins.toml only (exit 2 on problems)",
+                                description="Validate a config and list every problem; builds nothing.")
+    _add_config_args(check)
+    check.set_defaults(func=cmd_check)
+
+    plugins = commands.add_parser("plugins", help="list loaded plugins, their hooks and components",
+                                  description="Every installed plugin with its distribution, version, "
+                                  "hooks and components.")
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(func=cmd_plugins)
+
+    schema = commands.add_parser("schema", help="print the JSON Schema of plugins.toml",
+                                 description="JSON Schema of plugins.toml for the installed plugins.")
+    schema.add_argument("--indent", type=int, default=2, help="JSON indentation")
+    schema.set_defaults(func=cmd_schema)
+
+    new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
+                              description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
+    new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
+    new.add_argument("--dir", type=Path, default=Path("."), help="folder to create the package in")
+    new.set_defaults(func=cmd_new_plugin)
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from i3core import log, run
+    from i3core.config import load_config
+
+    config, plugins = load_config(args.config, args.overrides)
+    log.configure(level=args.log_level, json_path=config.run.out / "logs" / "run.jsonl")
+    return run.execute(config, plugins)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from i3core.config import load_config
+
+    config, _ = load_config(args.config, args.overrides)
+    used = ", ".join(f"{section}={spec.name}" for section, spec in config.components.items()) or "no components"
+    print(f"{args.config}: OK ({used})")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from i3core.manager import load_plugins
+
+    plugins = load_plugins()
+    infos = plugins.info()
+    if args.json:
+        report = {
+            "plugins": [asdict(info) for info in infos],
+            "failed": [asdict(failure) for failure in plugins.failures],
+            "blocked": plugins.blocked,
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("plugin", "distribution", "version", "components", "hooks")
+    for info in infos:
+        components = "\n".join(f"{kind}: {', '.join(names)}" for kind, names in info.components.items())
+        table.add_row(info.name, info.distribution, info.version, components, "\n".join(info.hooks))
+    console = Console()
+    console.print(table)
+    for failure in plugins.failures:
+        console.print(f"[yellow]warning:[/] {failure}")
+    for name in plugins.blocked:
+        console.print(f"blocked: {name}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from i3core.config import json_schema
+    from i3core.manager import load_plugins
+
+    print(json.dumps(json_schema(load_plugins()), indent=args.indent))
+    return 0
+
+
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    from i3core.scaffold import new_plugin
+
+    root = new_plugin(args.name, args.dir)
+    print(f"created {root}: pip install -e '{root}[test]' && pytest {root}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from i3core import log
+
+    log.configure(level=args.log_level)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        count = len(exc.problems)
+        print(f"{count} problem{'s' if count != 1 else ''} in {getattr(args, 'config', 'the config')}", file=sys.stderr)
+        return exc.exit_code
+    except I3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"internal error: {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""plugins.toml -> a typed :class:`RunConfig`, with every problem reported at once.
+
+Each component section names its component with ``use``; every other key is
+validated against that component's ``Config`` (``extra="forbid"``). Problems
+carry their TOML path, the valid keys and a "did you mean". Sections that are
+absent are simply not configured: the role that needs one says so.
+"""
+
+import re
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from i3core.errors import ConfigError, Problem, did_you_mean
+from i3core.manager import Plugins, load_plugins
+from i3core.registry import SECTION_KINDS, Component
+
+
+class RunSection(BaseModel):
+    """``[run]``: what every role shares."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("run", description="Run name, used in logs and as the default output folder.")
+    output_dir: Path | None = Field(None, description="Where metrics, logs and checkpoints go; default runs/<name>.")
+    max_steps: int = Field(40, ge=1, description="Trainer steps to run.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+
+    @property
+    def out(self) -> Path:
+        return self.output_dir if self.output_dir is not None else Path("runs") / self.name
+
+
+class PluginsSection(BaseModel):
+    """``[plugins]``: which installed plugins to load."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    disable: list[str] = Field(default_factory=list, description="Plugin or distribution names to block.")
+
+
+FIXED_SECTIONS: dict[str, type[BaseModel]] = {"run": RunSection, "plugins": PluginsSection}
+
+
+@dataclass
+class ComponentSpec:
+    """One configured component: its section, the registered class and its validated config."""
+
+    section: str
+    component: Component
+    config: BaseModel
+
+    @property
+    def kind(self) -> str:
+        return self.component.kind
+
+    @property
+    def name(self) -> str:
+        return self.component.name
+
+    def build(self):
+        return self.component.build(self.config)
+
+
+@dataclass
+class RunConfig:
+    """A validated plugins.toml."""
+
+    run: RunSection
+    plugins: PluginsSection = field(default_factory=PluginsSection)
+    components: dict[str, ComponentSpec] = field(default_factory=dict)
+    source: Path | None = None
+
+    def get(self, section: str) -> ComponentSpec | None:
+        return self.components.get(section)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config (defaults filled in), as plain JSON-able data."""
+        data: dict[str, Any] = {
+            "run": self.run.model_dump(mode="json"),
+            "plugins": self.plugins.model_dump(mode="json"),
+        }
+        for section, spec in self.components.items():
+            data[section] = {"use": spec.name, **spec.config.model_dump(mode="json")}
+        return data
+
+
+# -- reading -----------------------------------------------------------------
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML file; a missing file or a syntax error is one :class:`Problem`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([Problem("", f"cannot read {path}: {exc.strerror or exc}")]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([Problem("", f"{path}: TOML syntax error: {exc}")]) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (value parsed as TOML, else taken as a string)."""
+    problems = []
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        keys = [k.strip() for k in dotted.split(".")]
+        if not sep or len(keys) < 2 or not all(keys):
+            problems.append(Problem(f"--set {item}", "expected section.key=value"))
+            continue
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        table = data
+        for key in keys[:-1]:
+            nested = table.setdefault(key, {})
+            if not isinstance(nested, dict):
+                problems.append(Problem(f"--set {item}", f"{key!r} is not a table"))
+                break
+            table = nested
+        else:
+            table[keys[-1]] = value
+    if problems:
+        raise ConfigError(problems)
+    return data
+
+
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), plugins: Plugins | None = None
+) -> tuple[RunConfig, Plugins]:
+    """Read, override and validate a plugins.toml; load the plugins it asks for.
+
+    :raises ConfigError: with every problem found.
+    """
+    data = apply_overrides(read_toml(path), overrides)
+    if plugins is None:
+        disable = data.get("plugins", {}).get("disable", []) if isinstance(data.get("plugins"), dict) else []
+        plugins = load_plugins(disable=[d for d in disable if isinstance(d, str)])
+    config = validate(data, plugins)
+    config.source = Path(path)
+    return config, plugins
+
+
+# -- validating --------------------------------------------------------------
+
+
+def validate(data: dict[str, Any], plugins: Plugins) -> RunConfig:
+    """Validate parsed TOML against the fixed sections and the registered components.
+
+    :raises ConfigError: with every problem found, in file order.
+    """
+    problems: list[Problem] = []
+    valid_sections = [*FIXED_SECTIONS, *SECTION_KINDS]
+    fixed: dict[str, BaseModel] = {}
+    components: dict[str, ComponentSpec] = {}
+    for section, value in data.items():
+        if section not in valid_sections:
+            problems.append(
+                Problem(
+                    section,
+                    f"unknown section{did_you_mean(section, valid_sections)}; "
+                    f"valid sections: {', '.join(valid_sections)}",
+                )
+            )
+            continue
+        if not isinstance(value, dict):
+            problems.append(Problem(section, f"must be a table ([{section}]), got {_type_name(value)}"))
+            continue
+        if section in FIXED_SECTIONS:
+            model = _validate_model(FIXED_SECTIONS[section], value, section, problems)
+            if model is not None:
+                fixed[section] = model
+        else:
+            spec = validate_component(section, value, plugins, problems)
+            if spec is not None:
+                components[section] = spec
+    if problems:
+        raise ConfigError(problems)
+    return RunConfig(
+        run=fixed.get("run") or RunSection(),
+        plugins=fixed.get("plugins") or PluginsSection(),
+        components=components,
+    )
+
+
+def validate_component(
+    section: str, value: dict[str, Any], plugins: Plugins, problems: list[Problem]
+) -> ComponentSpec | None:
+    kind = SECTION_KINDS[section]
+    available = plugins.registry.of_kind(kind.name)
+    choices = ", ".join(f"{c.name} ({c.provider.distribution})" for c in available) or "none installed"
+    options = dict(value)
+    name = options.pop("use", None)
+    if name is None:
+        problems.append(Problem(f"{section}.use", f"missing: pick a {kind.name}: {choices}"))
+        return None
+    if not isinstance(name, str):
+        problems.append(Problem(f"{section}.use", f"must be a string naming a {kind.name}, got {_type_name(name)}"))
+        return None
+    component = plugins.registry.get(kind.name, name)
+    if component is None:
+        problems.append(
+            Problem(
+                f"{section}.use",
+                f"unknown {kind.name} {name!r}{did_you_mean(name, plugins.registry.names(kind.name))}; "
+                f"available: {choices}{plugins.failure_hint()}",
+            )
+        )
+        return None
+    config = _validate_model(component.config_model, options, section, problems)
+    return None if config is None else ComponentSpec(section, component, config)
+
+
+def _validate_model(
+    model: type[BaseModel], value: dict[str, Any], section: str, problems: list[Problem]
+) -> BaseModel | None:
+    try:
+        return model.model_validate(value)
+    except pydantic.ValidationError as exc:
+        for error in exc.errors(include_url=False):
+            problems.append(_problem_from_pydantic(model, section, error))
+        return None
+
+
+def _problem_from_pydantic(model: type[BaseModel], section: str, error: dict[str, Any]) -> Problem:
+    loc = tuple(error["loc"])
+    path = section + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    if error["type"] == "extra_forbidden":
+        key = str(loc[-1])
+        valid = _fields_at(model, loc[:-1])
+        keys = ", ".join(valid) if valid else "none"
+        return Problem(path, f"unknown key{did_you_mean(key, valid)}; valid keys: {keys}")
+    message = error["msg"]
+    if error["type"] != "missing" and "input" in error and not isinstance(error["input"], dict):
+        message += f", got {error['input']!r}"
+    return Problem(path, message)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the (nested) model at ``loc``, as far as it can be followed."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        info = model.model_fields.get(str(part))
+        nested = _model_in(info.annotation) if info is not None else None
+        if nested is None:
+            return []
+        model = nested
+    return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), type(value).__name__)
+
+
+# -- schema ------------------------------------------------------------------
+
+
+def json_schema(plugins: Plugins) -> dict[str, Any]:
+    """JSON Schema of plugins.toml for the components the loaded plugins provide."""
+    fields: dict[str, Any] = {name: (model, None) for name, model in FIXED_SECTIONS.items()}
+    for section, kind in SECTION_KINDS.items():
+        members = []
+        for component in plugins.registry.of_kind(kind.name):
+            members.append(
+                pydantic.create_model(
+                    _identifier(f"{kind.name}_{component.name}"),
+                    __base__=component.config_model,
+                    __doc__=(component.cls.__doc__ or component.config_model.__doc__ or "").strip() or None,
+                    use=(Literal[component.name], Field(description=f"Use {kind.name} {component.name!r}.")),
+                )
+            )
+        if len(members) == 1:
+            fields[section] = (members[0] | None, None)
+        elif members:
+            union = Annotated[Union[tuple(members)], Field(discriminator="use")]  # noqa: UP007
+            fields[section] = (union | None, None)
+    file_model = pydantic.create_model(
+        "PluginsToml", __config__=ConfigDict(extra="forbid", title="plugins.toml"), **fields
+    )
+    return file_model.model_json_schema()
+
+
+def _identifier(text: str) -> str:
+    return re.sub(r"\W", "_", text)

@@ -1,0 +1,44 @@
+"""Errors that reach the user as one clear line (the CLI prints them, no traceback)."""
+
+import difflib
+from collections.abc import Iterable
+
+
+class I3Error(Exception):
+    """An error caused by input (a config, a plugin, a request): shown as one line."""
+
+    exit_code = 1
+
+
+class PluginError(I3Error):
+    """A plugin is broken: it fails to import, misnames a hook or clashes with another."""
+
+
+class ConfigError(I3Error):
+    """A plugins.toml has problems; ``problems`` holds every one of them."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list["Problem"]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class Problem:
+    """One config problem: where (a TOML path such as ``loss.mask_lo``) and what."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+    def __repr__(self) -> str:
+        return f"Problem({self.path!r}, {self.message!r})"
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,52 @@
+"""The interfaces each component kind meets; nothing else.
+
+A component is built as ``cls(config)`` from its registered class; these are
+the methods the core calls on it afterwards.
+"""
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from i3core.types import Completion, Example, LossInputs, LossOutput, Rollout
+
+
+@runtime_checkable
+class Loss(Protocol):
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        """The scalar loss over the packed tokens ``[T]`` and its metrics."""
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    def build(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        """A torch optimizer over plain or FSDP2-sharded (DTensor) parameters."""
+
+
+@runtime_checkable
+class InferenceClient(Protocol):
+    async def complete(self, prompt: str, *, max_tokens: int, temperature: float) -> Completion:
+        """Generate one completion; every token carries its logprob and policy version."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def examples(self) -> list[Example]:
+        """The environment's dataset, in a seeded order."""
+
+    async def rollout(self, client: InferenceClient, example: Example) -> Rollout:
+        """Drive one rollout of ``example`` through ``client`` and score it."""
+
+
+@runtime_checkable
+class MetricSink(Protocol):
+    def open(self, output_dir: Path) -> None:
+        """Start writing under the run's output directory."""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one trainer step's metrics."""
+
+    def close(self) -> None:
+        """Flush and release; called once, also after a failure."""

@@ -1,0 +1,133 @@
+"""The data that moves between the roles and into components.
+
+Shapes: ``T`` is the number of tokens of a packed batch (every sample's prompt
+and completion tokens, concatenated).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LossInputs:
+    """What a loss component receives: 1-D tensors, one entry per token ``[T]``.
+
+    :ivar trainer_logprobs: ``[T]`` float, log p of each token under the trainer
+        (requires grad).
+    :ivar inference_logprobs: ``[T]`` float, log p under the policy version that
+        sampled the token.
+    :ivar advantages: ``[T]`` float, the sample's advantage on each of its tokens.
+    :ivar loss_mask: ``[T]`` bool, True on model-generated tokens, False on
+        prompt, tool and env tokens.
+    :ivar sequence_ids: ``[T]`` int, which sample each token belongs to.
+    :ivar num_loss_tokens: the global normaliser (loss tokens across
+        micro-batches and ranks); ``None`` means ``loss_mask.sum()``.
+    """
+
+    trainer_logprobs: torch.Tensor
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    sequence_ids: torch.Tensor
+    num_loss_tokens: int | float | torch.Tensor | None = None
+
+    def normaliser(self) -> torch.Tensor:
+        """``num_loss_tokens`` as a float tensor, at least 1 (an all-masked batch gives zero loss)."""
+        n = self.loss_mask.sum() if self.num_loss_tokens is None else self.num_loss_tokens
+        return torch.as_tensor(n, dtype=self.trainer_logprobs.dtype).clamp_min(1)
+
+
+@dataclass
+class LossOutput:
+    """A scalar ``loss`` to call ``backward()`` on, and float ``metrics`` to log."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Example:
+    """One dataset row of an environment."""
+
+    id: str
+    prompt: str
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    """One trajectory of one example: tokens, logprobs, versions and its reward.
+
+    ``completion_ids``, ``completion_logprobs``, ``completion_versions`` and
+    ``completion_mask`` are aligned, one entry per completion token; the mask is
+    True on model tokens and False on tool/env tokens of multi-turn rollouts.
+    """
+
+    example: Example
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    completion_versions: list[int]
+    completion_mask: list[bool]
+    completion_text: str = ""
+    reward: float = 0.0
+    advantage: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.completion_versions, default=0)
+
+
+@dataclass
+class Group:
+    """Every rollout of one prompt (``group_size`` of them)."""
+
+    example: Example
+    rollouts: list[Rollout]
+
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+
+@dataclass
+class TrainBatch:
+    """A packed batch for one trainer step: rows of ``seq_len`` tokens.
+
+    Every tensor is ``[rows, seq_len]``; ``position_ids`` restart at 0 for each
+    sample so packed samples never attend to each other.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    sequence_ids: torch.Tensor
+    versions: torch.Tensor
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class Completion:
+    """What an inference client returns for one prompt.
+
+    ``token_ids``, ``logprobs`` and ``versions`` are aligned, one entry per
+    generated token; ``versions[i]`` is the policy version that sampled token i.
+    """
+
+    text: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str = "stop"

@@ -1,0 +1,48 @@
+"""``<output_dir>/metrics.jsonl``: one JSON object per trainer step, flushed as it is written."""
+
+import json
+import math
+from pathlib import Path
+from typing import IO
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JsonlSink:
+    """Append one line per step to a JSON-lines file."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        filename: str = Field("metrics.jsonl", description="File name under the run's output directory.")
+
+    def __init__(self, config: Config):
+        self.config = config
+        self._file: IO[str] | None = None
+
+    @property
+    def path(self) -> Path | None:
+        return Path(self._file.name) if self._file else None
+
+    def open(self, output_dir: Path) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(output_dir / self.config.filename, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._file is None:
+            raise RuntimeError("JsonlSink.write before open")
+        row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row, sort_keys=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _json_number(value):
+    """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

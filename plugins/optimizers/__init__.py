@@ -1,0 +1,9 @@
+"""Built-in optimizer components."""
+
+from i3core import hookimpl
+from i3core.plugins.optimizers.adamw import AdamW
+
+
+@hookimpl
+def i3_register_optimizers(register):
+    register("adamw", AdamW)
