@@ -91,7 +91,9 @@ class Plugins:
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"{provider}: {_first_line(exc)}") from None
+            if self.pm.has_plugin(name):  # pluggy keeps the name of a plugin it refused
+                self.pm.unregister(name=name)
+            raise PluginError(f"{provider}: {' '.join(str(exc).split())}") from None
         self._providers[name] = provider
         try:
             self._check_pending(plugin, provider)
@@ -132,7 +134,7 @@ class Plugins:
     # -- internals ---------------------------------------------------------
 
     def _check_pending(self, plugin: object, provider: Provider) -> None:
-        known = [name for name in dir(self.pm.hook) if name.startswith("i3_")]
+        known = [name for name in dir(self.pm.hook) if getattr(getattr(self.pm.hook, name), "spec", None)]
         for caller in self.pm.get_hookcallers(plugin) or []:
             if caller.spec is None:
                 raise PluginError(
@@ -204,10 +206,17 @@ def _first_line(exc: BaseException) -> str:
 
 
 _trace_log = structlog.get_logger("i3core.trace")
+_TRACE_REPR_CHARS = 240
+"""Long arguments (a whole RunConfig) are cut so a trace line stays readable."""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _TRACE_REPR_CHARS else text[: _TRACE_REPR_CHARS - 3] + "..."
 
 
 def _trace_before(hook_name: str, hook_impls: list, kwargs: dict) -> None:
-    _trace_log.info("hook call", hook=hook_name, plugins=[impl.plugin_name for impl in hook_impls], kwargs=kwargs)
+    _trace_log.info("hook call", hook=hook_name, plugins=[impl.plugin_name for impl in hook_impls], kwargs={k: _short(v) for k, v in kwargs.items()})
 
 
 def _trace_after(outcome: Any, hook_name: str, hook_impls: list, kwargs: dict) -> None:
@@ -215,7 +224,7 @@ def _trace_after(outcome: Any, hook_name: str, hook_impls: list, kwargs: dict) -
     if exc is not None:
         _trace_log.info("hook raised", hook=hook_name, error=repr(exc))
     else:
-        _trace_log.info("hook result", hook=hook_name, result=outcome.get_result())
+        _trace_log.info("hook result", hook=hook_name, result=_short(outcome.get_result()))
 
 
 __all__ = ["DISABLE_ENV", "TRACE_ENV", "LoadFailure", "PluginInfo", "Plugins", "load_plugins"]

@@ -18,7 +18,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "$dist"
 version = "0.1.0"
-description = "An i3core plugin: the $name loss"
+description = "An i3core plugin: the $name loss (a sign-of-advantage policy gradient)"
 requires-python = ">=3.11"
 dependencies = ["i3core>=$core_version"]
 
@@ -62,7 +62,7 @@ from i3core.types import LossInputs, LossOutput
 
 
 class $cls:
-    """REINFORCE on the loss tokens: -scale * sum(A_t * logp_t) / num_loss_tokens."""
+    """Sign-of-advantage policy gradient: -scale * sum(sign(A_t) * logp_t) / num_loss_tokens."""
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -74,7 +74,7 @@ class $cls:
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
         mask = inputs.loss_mask.bool()
-        per_token = torch.where(mask, inputs.advantages * inputs.trainer_logprobs, 0.0)
+        per_token = torch.where(mask, inputs.advantages.sign() * inputs.trainer_logprobs, 0.0)
         loss = -self.config.scale * per_token.sum() / inputs.normaliser()
         return LossOutput(loss=loss, metrics={"$name/loss_tokens": float(mask.sum())})
 
@@ -93,7 +93,7 @@ def test_hook_i3_register_losses(i3_plugins):
     assert i3_plugins.registry.get("loss", "$name") is not None
 
 
-def test_gradient_is_minus_advantage_over_tokens(i3_make_component):
+def test_gradient_is_minus_sign_of_advantage_over_tokens(i3_make_component):
     loss_fn = i3_make_component("loss", "$name", scale=1.0)
     logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     inputs = LossInputs(

@@ -1,0 +1,18 @@
+"""The event hooks whose results the core acts on, in one place for every role."""
+
+from typing import Any
+
+from i3core.types import Group
+
+
+def group_kept(hook: Any, group: Group) -> bool:
+    """Call ``i3_on_group_scored``; the group is dropped if any implementation returns ``False``."""
+    return all(result is not False for result in hook.i3_on_group_scored(group=group))
+
+
+def end_step(hook: Any, sinks: list, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """Call ``i3_on_step_end`` (plugins may add metrics), then write the metrics to every sink."""
+    hook.i3_on_step_end(step=step, metrics=metrics)
+    for sink in sinks:
+        sink.write(step, metrics)
+    return metrics
