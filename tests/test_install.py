@@ -1,0 +1,97 @@
+"""Real pip installs into temporary virtual environments: i3core itself, the example plugin, a scaffold.
+
+The venvs see this interpreter's site-packages (torch and friends are not
+reinstalled), but what is installed into them is built and installed by pip.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = [pytest.mark.install, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
+    # The venv's bundled setuptools predates built-in bdist_wheel; use the outer one (the test extra pins it).
+    subprocess.run([python(path), "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=True)
+    return path
+
+
+def python(venv: Path) -> str:
+    return str(venv / "bin" / "python")
+
+
+def pip_install(venv: Path, *args: str) -> None:
+    result = subprocess.run(
+        [python(venv), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def cli(venv: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python(venv), "-m", "i3core.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def test_regular_install_of_i3core(venv, tmp_path):
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "runs", "build", "*.egg-info", ".venv"))
+    pip_install(venv, str(source))
+    where = subprocess.run(
+        [python(venv), "-c", "import i3core, i3core.plugins.losses as l; print(i3core.__file__); print(l.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert all(str(venv) in path for path in where), where
+    shutil.rmtree(source)  # the installed copy must not need the source tree
+    report = json.loads(cli(venv, "plugins", "--json").stdout)
+    assert "i3core.losses" in {p["name"] for p in report["plugins"]}
+
+
+def test_example_plugin_installs_and_is_listed_and_accepted(venv):
+    pip_install(venv, str(ROOT / "examples" / "i3-plugin-example"))
+    result = cli(venv, "plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    example = next(p for p in json.loads(result.stdout)["plugins"] if p["name"] == "example")
+    assert (example["distribution"], example["version"]) == ("i3-plugin-example", "0.2.0")
+    assert example["components"] == {"env": ["count-letters"], "loss": ["reinforce"]}
+    check = cli(venv, "check", str(ROOT / "examples" / "i3-plugin-example" / "example.toml"))
+    assert check.returncode == 0, check.stderr
+    assert "env=count-letters, loss=reinforce" in check.stdout
+    tests = subprocess.run(
+        [python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "examples" / "i3-plugin-example")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def test_scaffolded_plugin_installs_editable_and_its_test_passes(venv, tmp_path):
+    made = cli(venv, "new-plugin", "tiny-loss", "--dir", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    root = tmp_path / "i3-plugin-tiny-loss"
+    pip_install(venv, "-e", str(root))
+    report = json.loads(cli(venv, "plugins", "--json").stdout)
+    plugin = next(p for p in report["plugins"] if p["name"] == "tiny-loss")
+    assert plugin["distribution"] == "i3-plugin-tiny-loss" and plugin["components"] == {"loss": ["tiny-loss"]}
+    tests = subprocess.run(
+        [python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "2 passed" in tests.stdout
