@@ -1,0 +1,143 @@
+"""The built-in components, built through the registry as a run builds them."""
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+
+from i3core.errors import ConfigError
+from i3core.testing import make_component
+from i3core.types import Completion, LossInputs
+
+
+def icepop_inputs(trainer, inference, advantages, mask, seq, num=None):
+    logp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
+    return logp, LossInputs(
+        trainer_logprobs=logp,
+        inference_logprobs=torch.tensor(inference, dtype=torch.float64),
+        advantages=torch.tensor(advantages, dtype=torch.float64),
+        loss_mask=torch.tensor(mask),
+        sequence_ids=torch.tensor(seq),
+        num_loss_tokens=num,
+    )
+
+
+def test_icepop_masks_outside_the_band_and_keeps_the_bounds(builtins):
+    loss_fn = make_component("loss", "icepop", plugins=builtins)
+    ln = math.log
+    # ratios: 1.0, 0.5 (on the low bound), 5.0 (on the high bound), 0.4 (masked), 6.0 (masked), prompt token
+    trainer = [0.0, ln(0.5), ln(5.0), ln(0.4), ln(6.0), 0.0]
+    logp, inputs = icepop_inputs(
+        trainer, [0.0] * 6, [1.0, 2.0, -1.0, 3.0, 3.0, 9.0], [True] * 5 + [False], [0, 0, 0, 1, 1, 1]
+    )
+    out = loss_fn(inputs)
+    out.loss.backward()
+    n = 5
+    expected = torch.tensor([-1.0 * 1 / n, -0.5 * 2 / n, 5.0 / n, 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert torch.allclose(logp.grad, expected)
+    assert out.loss.item() == pytest.approx(-(1.0 * 1 + 0.5 * 2 + 5.0 * -1) / n)
+    assert out.metrics["loss/masked_low_frac"] == pytest.approx(1 / 5)
+    assert out.metrics["loss/masked_high_frac"] == pytest.approx(1 / 5)
+
+
+def test_icepop_kills_a_sample_below_the_min_ratio(builtins):
+    loss_fn = make_component("loss", "icepop", plugins=builtins, rollout_min_ratio=1e-3)
+    logp, inputs = icepop_inputs(
+        [0.0, math.log(1e-4), 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 1.0, 1.0], [True] * 4, [0, 0, 1, 1]
+    )
+    out = loss_fn(inputs)
+    out.loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([0.0, 0.0, -0.25, -0.25], dtype=torch.float64))
+    assert out.metrics["loss/masked_sample_frac"] == 0.5
+
+
+def test_icepop_nonfinite_inference_logprob_is_dropped_not_nan(builtins):
+    loss_fn = make_component("loss", "icepop", plugins=builtins)
+    logp, inputs = icepop_inputs([0.0, 0.0, 50.0], [float("nan"), 0.0, -60.0], [1.0, 1.0, 1.0], [True] * 3, [0, 0, 0])
+    out = loss_fn(inputs)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
+    assert torch.allclose(logp.grad, torch.tensor([0.0, -0.5, 0.0], dtype=torch.float64))
+    assert out.metrics["loss/nonfinite_tokens"] == 1.0
+
+
+def test_icepop_uses_the_global_normaliser(builtins):
+    loss_fn = make_component("loss", "icepop", plugins=builtins)
+    logp, inputs = icepop_inputs([0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [True, True], [0, 0], num=8)
+    loss_fn(inputs).loss.backward()
+    assert torch.allclose(logp.grad, torch.full((2,), -1 / 8, dtype=torch.float64))
+
+
+def test_icepop_config_errors(builtins):
+    with pytest.raises(ConfigError, match="mask_low"):
+        make_component("loss", "icepop", plugins=builtins, mask_low=2.0, mask_high=1.0)
+    with pytest.raises(ConfigError, match="unknown key"):
+        make_component("loss", "icepop", plugins=builtins, clip=0.2)
+
+
+def test_adamw_groups_and_steps(builtins):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = make_component("optimizer", "adamw", plugins=builtins, lr=0.1, weight_decay=0.5).build(
+        model.named_parameters()
+    )
+    decay, no_decay = opt.param_groups
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])] and decay["weight_decay"] == 0.5
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    before = model[0].weight.detach().clone()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, model[0].weight)
+
+
+def test_adamw_refuses_no_parameters(builtins):
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        make_component("optimizer", "adamw", plugins=builtins).build([])
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "reverse-text"])
+def test_envs_are_seeded_and_score_their_demonstrations(builtins, name):
+    env = make_component("env", name, plugins=builtins, num_examples=50, seed=3)
+    again = make_component("env", name, plugins=builtins, num_examples=50, seed=3)
+    other = make_component("env", name, plugins=builtins, num_examples=50, seed=4)
+    assert env.examples() == again.examples() and env.examples() != other.examples()
+    for example in env.examples():
+        assert env.score(env.demonstration(example), example) == 1.0
+        assert 0.0 <= env.score("zzz", example) < 1.0
+
+
+def test_reverse_text_similarity_is_partial(builtins):
+    env = make_component("env", "reverse-text", plugins=builtins)
+    example = env.examples()[0]
+    half = example.answer[: len(example.answer) // 2]
+    assert 0.0 < env.score(half, example) < 1.0
+
+
+class EchoClient:
+    """A real in-process client over a fixed answer; the env sees the same interface as a server's."""
+
+    def __init__(self, text):
+        self.text = text
+
+    async def complete(self, prompt, *, max_tokens, temperature):
+        ids = [ord(c) for c in self.text][:max_tokens]
+        return Completion(self.text, [ord(c) for c in prompt], ids, [-0.5] * len(ids), [2] * len(ids))
+
+
+def test_single_turn_rollout_carries_tokens_versions_and_reward(builtins):
+    env = make_component("env", "arithmetic", plugins=builtins)
+    example = env.examples()[0]
+    rollout = asyncio.run(env.rollout(EchoClient(example.answer + "\n"), example))
+    assert rollout.reward == 1.0 and rollout.completion_versions == [2] * len(rollout.completion_ids)
+    assert all(rollout.completion_mask) and rollout.prompt_ids == [ord(c) for c in example.prompt]
+
+
+def test_jsonl_sink_writes_valid_json_for_nonfinite_values(builtins, tmp_path):
+    sink = make_component("metric_sink", "jsonl", plugins=builtins)
+    sink.open(tmp_path)
+    sink.write(1, {"loss": float("nan"), "reward/mean": 0.5})
+    sink.write(2, {"loss": 0.25})
+    sink.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": None, "reward/mean": 0.5}, {"step": 2, "loss": 0.25}]
