@@ -1,0 +1,9 @@
+"""Built-in policy models."""
+
+from i3core import hookimpl
+from i3core.plugins.models.tiny_moe import TinyMoE
+
+
+@hookimpl
+def i3_register_models(register):
+    register("tiny-moe", TinyMoE)

@@ -1,0 +1,85 @@
+"""``tiny-moe``: a small Qwen3-MoE policy written in plain torch, trainable on a laptop CPU.
+
+The defaults keep a forward+backward on 2 CPU cores fast while still using
+head_dim 64 (vLLM's CPU attention rejects head_dim 16), so the same weights
+can be served by the builtin server and by vLLM.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from i3core.plugins.models.tiny_moe import hf
+from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
+from i3core.plugins.models.tiny_moe.tokenizer import VOCAB_SIZE, build_tokenizer
+
+
+class TinyMoE:
+    """Builds :class:`TinyMoEModel` and converts it to and from the HF Qwen3-MoE layout."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        hidden_size: int = Field(128, ge=8, description="Residual stream width H.")
+        num_layers: int = Field(2, ge=1, description="Transformer blocks.")
+        num_heads: int = Field(2, ge=1, description="Query heads.")
+        num_kv_heads: int = Field(1, ge=1, description="Key/value heads (grouped-query attention).")
+        head_dim: int = Field(64, ge=2, description="Per-head width; vLLM's CPU attention needs 64 or more.")
+        num_experts: int = Field(8, ge=1, description="Experts per MoE layer E.")
+        experts_per_token: int = Field(2, ge=1, description="Top-k experts per token.")
+        moe_intermediate_size: int = Field(128, ge=1, description="Expert SwiGLU width I.")
+        norm_topk_prob: bool = Field(True, description="Renormalise the top-k router weights to sum to 1.")
+        rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
+        rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
+        max_position_embeddings: int = Field(2048, ge=1, description="Longest sample in tokens.")
+        tie_word_embeddings: bool = Field(False, description="Share the embedding and LM head weights.")
+        init_std: float = Field(0.02, gt=0, description="Std of the normal weight initialisation.")
+        expert_backend: Literal["grouped_mm", "loop"] = Field(
+            "grouped_mm", description="torch._grouped_mm over stacked experts, or a per-expert loop (reference)."
+        )
+        init_from: Path | None = Field(None, description="An HF directory (save_hf output) to start from.")
+
+        @model_validator(mode="after")
+        def _shapes(self):
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            if self.experts_per_token > self.num_experts:
+                raise ValueError(
+                    f"experts_per_token ({self.experts_per_token}) must not exceed num_experts ({self.num_experts})"
+                )
+            if self.head_dim % 2:
+                raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+            return self
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def build(self, seed: int = 0) -> TinyMoEModel:
+        """A new model: from ``init_from`` when set, else initialised from ``seed``."""
+        if self.config.init_from is not None:
+            return self.load_hf(self.config.init_from)
+        model = TinyMoEModel(self.config, VOCAB_SIZE)
+        model.reset_parameters(seed)
+        return model
+
+    def tokenizer(self):
+        return build_tokenizer()
+
+    @staticmethod
+    def save_hf(model: TinyMoEModel, path: str | Path) -> Path:
+        """Write ``model`` as an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        return hf.save_hf(model, path)
+
+    def load_hf(self, path: str | Path) -> TinyMoEModel:
+        """Read an HF directory back into the stacked layout (this component's backend kept)."""
+        hf_cfg, tensors = hf.read_hf(path)
+        fields = {**hf.config_fields_from_hf(hf_cfg), "expert_backend": self.config.expert_backend}
+        model = TinyMoEModel(self.Config(**fields), hf_cfg["vocab_size"])
+        hf.load_hf_tensors(model, tensors)
+        return model
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,210 @@
+"""A Qwen3-MoE-architecture causal LM in plain torch, with experts stored stacked ``[E, ...]``.
+
+Shapes: ``B`` rows, ``S`` tokens a row, ``H`` hidden size, ``E`` experts, ``k``
+experts per token, ``I`` expert intermediate size, ``V`` vocabulary.
+
+Differences from the textbook transformer, all as in Qwen3-MoE: RMSNorm before
+attention and MLP, RMSNorm on each head of q and k (qk-norm), rotary position
+embeddings, grouped-query attention, and a softmax top-k router over experts
+whose top-k weights are renormalised (``norm_topk_prob``). Packed rows hold
+several samples; attention never crosses a sample, whose start is where its
+``position_ids`` restart at 0.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """``(cos, sin)``, each ``[B, S, head_dim]``, for rotary embeddings at ``position_ids`` ``[B, S]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, heads, S, D]``; ``cos``/``sin`` ``[B, S, D]``."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S, S]`` bool: token i sees token j iff j <= i and both are in the same sample."""
+    sample = (position_ids == 0).cumsum(-1)
+    same = sample[:, :, None] == sample[:, None, :]
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, theta: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.theta = heads, kv_heads, head_dim, theta
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """grouped_mm's backward rejects broadcast (stride-0) gradients, e.g. from ``.sum()``."""
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+class MoE(nn.Module):
+    """Softmax top-k router and stacked SwiGLU experts.
+
+    ``gate_up`` is ``[E, H, 2I]`` (gate columns first, then up), ``down`` is
+    ``[E, I, H]``; tokens are sorted by expert so each expert's rows are
+    contiguous, then one grouped GEMM per projection runs every expert.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, norm_topk: bool, backend: str):
+        super().__init__()
+        self.experts, self.top_k, self.norm_topk, self.intermediate = experts, top_k, norm_topk, intermediate
+        self.backend = backend
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(experts, hidden, 2 * intermediate))
+        self.down = nn.Parameter(torch.empty(experts, intermediate, hidden))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[N, H]`` -> (weights ``[N, k]`` in x's dtype, expert indices ``[N, k]``)."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.route(x)
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.experts)
+        rows = x[token]
+        if self.backend == "grouped_mm":
+            out = self._grouped(rows, counts)
+        else:
+            out = self._loop(rows, counts)
+        out = out * weights.reshape(-1)[order, None]
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        return y.reshape(shape)
+
+    def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
+        return F.silu(h[:, : self.intermediate]) * h[:, self.intermediate :]
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        h = _contiguous_grad(torch._grouped_mm(rows, self.gate_up, offs=offs))
+        return _contiguous_grad(torch._grouped_mm(self._swiglu(h), self.down, offs=offs))
+
+    def _loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, chunk in enumerate(rows.split(counts.tolist())):
+            outs.append(self._swiglu(chunk @ self.gate_up[e]) @ self.down[e])
+        return torch.cat(outs) if outs else rows.new_zeros(0, rows.shape[-1])
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta
+        )
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.moe = MoE(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.experts_per_token,
+            cfg.norm_topk_prob,
+            cfg.expert_backend,
+        )
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.input_norm(x), cos, sin, mask)
+        return x + self.moe(self.post_attn_norm(x))
+
+
+class TinyMoEModel(nn.Module):
+    """Embedding, blocks, final norm and LM head; ``forward`` returns hidden states ``[B, S, H]``.
+
+    Logits are left to the caller (``logits`` or a chunked log-softmax) so a
+    whole batch's ``[B, S, V]`` float32 logits never need to exist at once.
+    """
+
+    def __init__(self, cfg, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise every weight from ``seed`` (normal(0, init_std); norms at 1)."""
+        generator = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        x = self.embed(input_ids)
+        cos, sin = rotary(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        mask = packed_causal_mask(position_ids)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
