@@ -81,6 +81,40 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
+    def forward_cached(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of new tokens against a KV cache, writing their keys/values into it.
+
+        ``x`` ``[B, S, H]`` are the new tokens of ``B`` sequences held in cache
+        ``slots`` ``[B]`` at ``positions`` ``[B, S]``; ``cache_k``/``cache_v`` are
+        ``[slots, kv_heads, max_len, D]``. Token (b, s) attends to cache entries
+        ``0..positions[b, s]`` of its own slot.
+        """
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache_k[slots[:, None], :, positions] = k.transpose(1, 2)
+        cache_v[slots[:, None], :, positions] = v.transpose(1, 2)
+        length = int(positions.max()) + 1
+        keys, values = cache_k[slots, :, :length], cache_v[slots, :, :length]
+        repeat = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+        mask = torch.arange(length, device=x.device)[None, None, :] <= positions[:, :, None]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None], scale=1.0 / math.sqrt(self.head_dim)
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     """grouped_mm's backward rejects broadcast (stride-0) gradients, e.g. from ``.sum()``."""
@@ -166,6 +200,20 @@ class Block(nn.Module):
         x = x + self.attn(self.input_norm(x), cos, sin, mask)
         return x + self.moe(self.post_attn_norm(x))
 
+    def forward_cached(self, x, cos, sin, cache_k, cache_v, slots, positions):
+        x = x + self.attn.forward_cached(self.input_norm(x), cos, sin, cache_k, cache_v, slots, positions)
+        return x + self.moe(self.post_attn_norm(x))
+
+
+class KVCache:
+    """Keys and values of up to ``slots`` sequences, ``[slots, kv_heads, max_len, head_dim]`` per layer."""
+
+    def __init__(self, cfg, slots: int, max_len: int, dtype: torch.dtype = torch.float32):
+        shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.slots, self.max_len = slots, max_len
+
 
 class TinyMoEModel(nn.Module):
     """Embedding, blocks, final norm and LM head; ``forward`` returns hidden states ``[B, S, H]``.
@@ -204,6 +252,20 @@ class TinyMoEModel(nn.Module):
         mask = packed_causal_mask(position_ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
+        return self.norm(x)
+
+    def forward_cached(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states ``[B, S, H]`` of new tokens ``input_ids`` ``[B, S]`` of the sequences in ``slots``.
+
+        Used by inference: a prefill passes a prompt (``B = 1``), a decode step
+        passes one token for each running sequence (``S = 1``).
+        """
+        x = self.embed(input_ids)
+        cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for block, keys, values in zip(self.blocks, cache.keys, cache.values):
+            x = block.forward_cached(x, cos, sin, keys, values, slots, positions)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""A continuous-batching generation engine over a KV cache, for the builtin inference server.
+
+Scheduling: requests wait in a FIFO queue; before every decode step, waiting
+requests take free cache slots (up to ``max_slots``) and are prefilled one by
+one; then one decode step runs every running sequence together. A finished
+sequence frees its slot at once, so a new request joins on the next step.
+
+Weights can be swapped between two steps (:meth:`Engine.load_state`): running
+sequences keep their KV cache and continue under the new version, and every
+generated token records the policy version that sampled it.
+"""
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from i3core.plugins.models.tiny_moe.modeling import KVCache, TinyMoEModel
+
+
+@dataclass
+class Request:
+    """One generation request: prompt token ids and sampling settings."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being served; ``token_ids``, ``logprobs``, ``versions`` grow one entry per step."""
+
+    id: int
+    request: Request
+    slot: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens of this sequence in the cache plus the one waiting to be fed."""
+        return len(self.request.prompt_ids) + len(self.token_ids)
+
+
+class Engine:
+    """Synchronous core: :meth:`add` requests, call :meth:`step` until they finish."""
+
+    def __init__(self, model: TinyMoEModel, *, max_slots: int = 32, max_len: int = 512, version: int = 0):
+        self.model = model.eval()
+        self.max_slots, self.max_len = max_slots, max_len
+        self.cache = KVCache(model.cfg, max_slots, max_len, dtype=next(model.parameters()).dtype)
+        self.version = version
+        self.waiting: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}
+        self._free = list(range(max_slots))
+        self._ids = itertools.count()
+        self.steps = 0
+
+    def add(self, request: Request) -> Sequence:
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt_ids) >= self.max_len:
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; this server holds at most {self.max_len - 1}")
+        if request.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        seq = Sequence(next(self._ids), request)
+        if request.seed is not None:
+            seq.generator = torch.Generator().manual_seed(request.seed)
+        self.waiting.append(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """Admit and prefill waiting sequences, then decode one token for every running one.
+
+        :return: the sequences that finished in this step.
+        """
+        finished = []
+        while self.waiting and self._free:
+            seq = self.waiting.pop(0)
+            seq.slot = self._free.pop()
+            prompt = torch.tensor([seq.request.prompt_ids])
+            hidden = self.model.forward_cached(prompt, torch.arange(prompt.shape[1])[None], self.cache,
+                                               torch.tensor([seq.slot]))
+            self._sample([seq], hidden[:, -1])
+            if self._maybe_finish(seq):
+                finished.append(seq)
+            else:
+                self.running[seq.id] = seq
+        decoding = list(self.running.values())
+        if decoding:
+            tokens = torch.tensor([[s.token_ids[-1]] for s in decoding])
+            positions = torch.tensor([[s.length - 1] for s in decoding])
+            slots = torch.tensor([s.slot for s in decoding])
+            hidden = self.model.forward_cached(tokens, positions, self.cache, slots)
+            self._sample(decoding, hidden[:, -1])
+            for seq in decoding:
+                if self._maybe_finish(seq):
+                    finished.append(seq)
+                    del self.running[seq.id]
+        self.steps += 1
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (a client went away)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif self.running.pop(seq.id, None) is not None:
+            self._free.append(seq.slot)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Swap weights between two steps; running sequences continue under ``version``."""
+        self.model.load_state_dict(state)
+        self.version = version
+
+    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        logits = self.model.logits(hidden).float()
+        for seq, row in zip(seqs, logits):
+            temperature = seq.request.temperature
+            if temperature == 0:
+                logprobs = torch.log_softmax(row, dim=-1)
+                token = int(row.argmax())
+            else:
+                logprobs = torch.log_softmax(row / temperature, dim=-1)
+                token = int(torch.multinomial(logprobs.exp(), 1, generator=seq.generator))
+            seq.token_ids.append(token)
+            seq.logprobs.append(float(logprobs[token]))
+            seq.versions.append(self.version)
+
+    def _maybe_finish(self, seq: Sequence) -> bool:
+        if seq.token_ids[-1] in seq.request.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= seq.request.max_tokens or seq.length >= self.max_len:
+            seq.finish_reason = "length"
+        else:
+            return False
+        if seq.slot >= 0:
+            self._free.append(seq.slot)
+        return True
