@@ -63,6 +63,16 @@ class Engine:
         self.steps = 0
 
     def add(self, request: Request) -> Sequence:
+        """Queue ``request``; it joins the running batch at the next step with a free slot."""
+        seq = self.new_sequence(request)
+        self.waiting.append(seq)
+        return seq
+
+    def new_sequence(self, request: Request) -> Sequence:
+        """Validate ``request`` and wrap it, without queueing it.
+
+        :raises ValueError: an empty or too long prompt, a negative temperature.
+        """
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         if len(request.prompt_ids) >= self.max_len:
@@ -72,7 +82,6 @@ class Engine:
         seq = Sequence(next(self._ids), request)
         if request.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.seed)
-        self.waiting.append(seq)
         return seq
 
     def has_work(self) -> bool:

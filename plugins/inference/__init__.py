@@ -1,0 +1,9 @@
+"""Built-in rollout sources (inference backends)."""
+
+from i3core import hookimpl
+from i3core.plugins.inference.builtin import BuiltinSource
+
+
+@hookimpl
+def i3_register_rollout_sources(register):
+    register("builtin", BuiltinSource)

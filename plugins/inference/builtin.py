@@ -1,0 +1,92 @@
+"""Rollout source ``builtin``: N independent builtin server processes on this machine.
+
+Each server is its own process (``python -m i3core.plugins.inference.server``)
+on 127.0.0.1 with a free port; the orchestrator gets one client per server.
+"""
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from i3core.errors import I3Error
+from i3core.plugins.inference.client import InferenceClient, ServerError
+
+STARTUP_TIMEOUT_S = 120.0
+"""Loading torch and the model takes a few seconds on 2 cores; a server that is not up by then failed."""
+HEALTH_POLL_S = 0.2
+
+
+class BuiltinSource:
+    """Start ``servers`` builtin inference servers and hand out one client per server."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        servers: int = Field(2, ge=1, le=64, description="Independent server processes.")
+        max_slots: int = Field(64, ge=1, description="Sequences each server decodes together.")
+        max_len: int = Field(256, ge=8, description="Longest prompt + completion, in tokens.")
+        threads: int = Field(1, ge=1, description="torch CPU threads per server.")
+        host: str = Field("127.0.0.1", description="Address the servers listen on (loopback only by default).")
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.processes: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+
+    def start(self, model_dir: Path, log_dir: Path, version: int = 0) -> list[str]:
+        """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(self.config.servers):
+            port = _free_port(self.config.host)
+            log = open(log_dir / f"inference-{i}.log", "ab")
+            cmd = [
+                sys.executable, "-m", "i3core.plugins.inference.server",
+                "--model-dir", str(model_dir), "--host", self.config.host, "--port", str(port),
+                "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
+                "--threads", str(self.config.threads), "--version", str(version),
+            ]  # fmt: skip
+            self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            self.urls.append(f"http://{self.config.host}:{port}")
+        asyncio.run(self._wait_healthy(log_dir))
+        return self.urls
+
+    async def _wait_healthy(self, log_dir: Path) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for i, (url, proc) in enumerate(zip(self.urls, self.processes)):
+            client = InferenceClient(url, tokenizer=None)
+            try:
+                while True:
+                    if proc.poll() is not None:
+                        raise I3Error(f"inference server {i} exited with {proc.returncode}; see {log_dir}/inference-{i}.log")
+                    try:
+                        await client.health()
+                        break
+                    except ServerError:
+                        if time.monotonic() > deadline:
+                            raise I3Error(f"inference server {i} not healthy after {STARTUP_TIMEOUT_S:.0f}s") from None
+                        await asyncio.sleep(HEALTH_POLL_S)
+            finally:
+                await client.close()
+
+    def close(self) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.processes.clear()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,74 @@
+"""The orchestrator's client for one inference server (builtin or vLLM: the same HTTP API).
+
+Tokens in, tokens out: the client tokenizes a prompt once and sends token ids;
+completions come back as token ids with logprobs and per-token versions.
+"""
+
+import aiohttp
+
+from i3core.types import Completion
+
+REQUEST_TIMEOUT_S = 600
+"""A generation may wait behind a full batch; the bound only catches a dead server."""
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error or could not be reached."""
+
+
+class InferenceClient:
+    def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _post(self, path: str, body: dict) -> dict:
+        return await self._request("POST", path, body)
+
+    async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+        try:
+            async with self._session.request(method, self.base_url + path, json=body) as response:
+                data = await response.json(content_type=None)
+                if response.status >= 400:
+                    message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                    raise ServerError(f"{self.base_url}{path}: {response.status} {message}")
+                return data
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ServerError(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+
+    async def complete(self, prompt: str, *, max_tokens: int, temperature: float, seed: int | None = None) -> Completion:
+        prompt_ids = self.tokenizer.encode(prompt).ids
+        body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        if self.stop_token_ids is not None:
+            body["stop_token_ids"] = self.stop_token_ids
+        if seed is None:
+            del body["seed"]
+        choice = (await self._post("/v1/completions", body))["choices"][0]
+        return Completion(
+            text=choice["text"],
+            prompt_ids=prompt_ids,
+            token_ids=choice["token_ids"],
+            logprobs=choice["logprobs"]["token_logprobs"],
+            versions=choice["versions"],
+            finish_reason=choice["finish_reason"],
+        )
+
+    async def health(self) -> dict:
+        return await self._request("GET", "/health")
+
+    async def update_weights(self, path: str, version: int) -> dict:
+        return await self._post("/update_weights", {"path": path, "version": version})
+
+    async def pause(self) -> dict:
+        return await self._post("/pause", {})
+
+    async def resume(self) -> dict:
+        return await self._post("/resume", {})
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

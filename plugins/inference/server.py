@@ -1,0 +1,307 @@
+"""The builtin inference server: an OpenAI-compatible HTTP API over :class:`Engine`, one process.
+
+Endpoints: ``POST /v1/completions`` (token-id or text prompts; returns token ids,
+per-token logprobs and the policy version of every token), ``POST
+/v1/chat/completions``, ``GET /health``, ``GET /metrics``, ``POST
+/update_weights`` (``{"path": dir, "version": n}``: an HF directory written by
+``save_hf`` or the filesystem weight sync), ``POST /pause``, ``POST /resume``.
+
+Everything that touches the engine runs in one task between decode steps, so
+requests join, weights swap and pauses take effect only between two steps.
+A malformed request gets a 4xx with a message; the server keeps serving.
+
+Run: ``python -m i3core.plugins.inference.server --model-dir DIR --port 8000``.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+
+from i3core.plugins.inference.engine import Engine, Request, Sequence
+from i3core.plugins.models.tiny_moe import TinyMoE
+from i3core.plugins.models.tiny_moe.hf import load_hf_tensors
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
+
+MAX_N = 64
+"""Most completions one request may ask for (``n``)."""
+
+
+class BadRequest(ValueError):
+    """A client error: answered with 400 and this message."""
+
+
+class Server:
+    def __init__(self, model_dir: Path, *, max_slots: int, max_len: int, version: int):
+        component = TinyMoE(TinyMoE.Config())
+        self.model = component.load_hf(model_dir)
+        self.tokenizer = build_tokenizer()
+        self.engine = Engine(self.model, max_slots=max_slots, max_len=max_len, version=version)
+        self.model_name = str(model_dir)
+        self._adds: list[tuple[Sequence, asyncio.Future]] = []
+        self._aborts: list[Sequence] = []
+        self._futures: dict[int, asyncio.Future] = {}
+        self._update: tuple[dict, int, asyncio.Future] | None = None
+        self._wake = asyncio.Event()
+        self._paused = False
+        self.tokens_generated = 0
+        self.requests_served = 0
+        self.started = time.time()
+
+    # -- the engine task ---------------------------------------------------
+
+    async def run_engine(self) -> None:
+        while True:
+            self._between_steps()
+            if self._paused or not self.engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            finished = await asyncio.to_thread(self.engine.step)
+            for seq in finished:
+                self.tokens_generated += len(seq.token_ids)
+                future = self._futures.pop(seq.id, None)
+                if future is not None and not future.done():
+                    future.set_result(seq)
+
+    def _between_steps(self) -> None:
+        if self._update is not None:
+            state, version, done = self._update
+            self._update = None
+            self.engine.load_state(state, version)
+            done.set_result(version)
+        for seq, future in self._adds:
+            self._futures[seq.id] = future
+            self.engine.waiting.append(seq)
+        self._adds.clear()
+        for seq in self._aborts:
+            self.engine.abort(seq)
+        self._aborts.clear()
+
+    async def generate(self, request: Request) -> Sequence:
+        seq = self.engine.new_sequence(request)
+        future = asyncio.get_running_loop().create_future()
+        self._adds.append((seq, future))
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:  # the client went away: free its slot between two steps
+            self._futures.pop(seq.id, None)
+            self._aborts.append(seq)
+            self._wake.set()
+            raise
+
+    # -- HTTP handlers -----------------------------------------------------
+
+    async def completions(self, http: web.Request) -> web.Response:
+        body = await _json_body(http)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = prompt
+        else:
+            raise BadRequest("prompt must be a string or a non-empty list of token ids")
+        if any(not 0 <= t < self.model.vocab_size for t in prompt_ids):
+            raise BadRequest(f"prompt token ids must be in [0, {self.model.vocab_size})")
+        seqs = await self._generate_n(body, prompt_ids)
+        choices = [
+            {
+                "index": i,
+                "text": self.tokenizer.decode(seq.token_ids, skip_special_tokens=False),
+                "token_ids": seq.token_ids,
+                "prompt_token_ids": prompt_ids,
+                "logprobs": {"token_logprobs": seq.logprobs},
+                "versions": seq.versions,
+                "finish_reason": seq.finish_reason,
+            }
+            for i, seq in enumerate(seqs)
+        ]
+        return web.json_response(self._envelope("text_completion", choices, prompt_ids, seqs))
+
+    async def chat_completions(self, http: web.Request) -> web.Response:
+        body = await _json_body(http)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        text = ""
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise BadRequest("each message needs a string role and content")
+            text += f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n"
+        prompt_ids = self.tokenizer.encode(text + f"{IM_START}assistant\n").ids
+        body.setdefault("stop_token_ids", [token_id(IM_END)])
+        seqs = await self._generate_n(body, prompt_ids)
+        choices = []
+        for i, seq in enumerate(seqs):
+            ids = seq.token_ids[:-1] if seq.finish_reason == "stop" else seq.token_ids
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": self.tokenizer.decode(ids)},
+                    "token_ids": seq.token_ids,
+                    "logprobs": {"token_logprobs": seq.logprobs},
+                    "versions": seq.versions,
+                    "finish_reason": seq.finish_reason,
+                }
+            )
+        return web.json_response(self._envelope("chat.completion", choices, prompt_ids, seqs))
+
+    async def _generate_n(self, body: dict, prompt_ids: list[int]) -> list[Sequence]:
+        n = _int(body, "n", 1, 1, MAX_N)
+        max_tokens = _int(body, "max_tokens", 16, 1, self.engine.max_len)
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, int | float) or temperature < 0:
+            raise BadRequest("temperature must be a number >= 0")
+        stop = body.get("stop_token_ids", [token_id(EOS)])
+        if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+            raise BadRequest("stop_token_ids must be a list of integers")
+        seed = body.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise BadRequest("seed must be an integer")
+        try:
+            requests = [
+                Request(list(prompt_ids), max_tokens, float(temperature), tuple(stop), None if seed is None else seed + i)
+                for i in range(n)
+            ]
+            seqs = await asyncio.gather(*(self.generate(r) for r in requests))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self.requests_served += 1
+        return list(seqs)
+
+    def _envelope(self, kind: str, choices: list, prompt_ids: list[int], seqs: list[Sequence]) -> dict:
+        return {
+            "id": f"cmpl-{self.requests_served}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": sum(len(s.token_ids) for s in seqs),
+            },
+        }
+
+    async def health(self, http: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "version": self.engine.version, "paused": self._paused})
+
+    async def metrics(self, http: web.Request) -> web.Response:
+        engine = self.engine
+        return web.json_response(
+            {
+                "version": engine.version,
+                "running": len(engine.running),
+                "waiting": len(engine.waiting) + len(self._adds),
+                "max_slots": engine.max_slots,
+                "steps": engine.steps,
+                "tokens_generated": self.tokens_generated,
+                "requests_served": self.requests_served,
+                "uptime_s": time.time() - self.started,
+            }
+        )
+
+    async def update_weights(self, http: web.Request) -> web.Response:
+        body = await _json_body(http)
+        path, version = body.get("path"), body.get("version")
+        if not isinstance(path, str) or not isinstance(version, int):
+            raise BadRequest("update_weights needs a string path and an integer version")
+        weights = Path(path) / "model.safetensors"
+        if not weights.is_file():
+            raise BadRequest(f"no model.safetensors under {path}")
+        tensors = await asyncio.to_thread(load_file, str(weights))
+        staged = TinyMoE(TinyMoE.Config(**_model_fields(self.model))).build()
+        try:
+            load_hf_tensors(staged, tensors)  # validates every name and shape before the live model is touched
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        done = asyncio.get_running_loop().create_future()
+        self._update = (staged.state_dict(), version, done)
+        self._wake.set()
+        await done
+        return web.json_response({"status": "ok", "version": version})
+
+    async def pause(self, http: web.Request) -> web.Response:
+        self._paused = True
+        return web.json_response({"status": "paused", "version": self.engine.version})
+
+    async def resume(self, http: web.Request) -> web.Response:
+        self._paused = False
+        self._wake.set()
+        return web.json_response({"status": "running", "version": self.engine.version})
+
+
+def _model_fields(model) -> dict:
+    return {k: v for k, v in model.cfg.model_dump().items() if k != "init_from"}
+
+
+def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(f"{key} must be an integer in [{low}, {high}]")
+    return value
+
+
+async def _json_body(http: web.Request) -> dict:
+    try:
+        body = await http.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+
+
+def make_app(server: Server) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=16 * 1024 * 1024)
+    app.add_routes(
+        [
+            web.post("/v1/completions", server.completions),
+            web.post("/v1/chat/completions", server.chat_completions),
+            web.get("/health", server.health),
+            web.get("/metrics", server.metrics),
+            web.post("/update_weights", server.update_weights),
+            web.post("/pause", server.pause),
+            web.post("/resume", server.resume),
+        ]
+    )
+
+    async def engine_task(app):
+        task = asyncio.create_task(server.run_engine())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(engine_task)
+    return app
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="i3core builtin inference server")
+    parser.add_argument("--model-dir", type=Path, required=True, help="HF directory written by save_hf")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--max-slots", type=int, default=64, help="sequences decoded together")
+    parser.add_argument("--max-len", type=int, default=512, help="longest prompt + completion in tokens")
+    parser.add_argument("--version", type=int, default=0, help="policy version of the initial weights")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    server = Server(args.model_dir, max_slots=args.max_slots, max_len=args.max_len, version=args.version)
+    web.run_app(make_app(server), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
