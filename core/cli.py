@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--indent", type=int, default=2, help="JSON indentation")
     schema.set_defaults(func=cmd_schema)
 
+    trainer = commands.add_parser("trainer", help="the trainer role alone (run it under torchrun)",
+                                  description="Run only the trainer; `i3core run` starts it for you.")
+    _add_config_args(trainer)
+    trainer.set_defaults(func=cmd_trainer)
+
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
                               description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
@@ -75,6 +80,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, plugins = load_config(args.config, args.overrides)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "run.jsonl")
     return run.execute(config, plugins)
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    from i3core import trainer
+
+    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
 
 
 def cmd_check(args: argparse.Namespace) -> int:

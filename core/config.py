@@ -6,6 +6,7 @@ carry their TOML path, the valid keys and a "did you mean". Sections that are
 absent are simply not configured: the role that needs one says so.
 """
 
+import json
 import re
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -44,7 +45,36 @@ class PluginsSection(BaseModel):
     disable: list[str] = Field(default_factory=list, description="Plugin or distribution names to block.")
 
 
-FIXED_SECTIONS: dict[str, type[BaseModel]] = {"run": RunSection, "plugins": PluginsSection}
+class TrainerSection(BaseModel):
+    """``[trainer]``: how the trainer process packs, steps and saves."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq_len: int = Field(512, ge=8, description="Tokens per packed row; a sample never spans rows.")
+    micro_batch_rows: int = Field(8, ge=1, description="Rows per forward/backward (gradient accumulation).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary.")
+    threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_broadcasts: int = Field(3, ge=1, description="Weight versions kept under broadcasts/.")
+
+
+class SftSection(BaseModel):
+    """``[sft]``: a supervised warm start on the environment's demonstrations, before RL."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(0, ge=0, description="SFT optimizer steps (0: no warm start).")
+    batch_size: int = Field(64, ge=1, description="Demonstrations per SFT step.")
+    lr: float = Field(3e-3, gt=0, description="SFT learning rate (AdamW).")
+
+
+FIXED_SECTIONS: dict[str, type[BaseModel]] = {
+    "run": RunSection,
+    "plugins": PluginsSection,
+    "trainer": TrainerSection,
+    "sft": SftSection,
+}
 
 
 @dataclass
@@ -73,6 +103,8 @@ class RunConfig:
 
     run: RunSection
     plugins: PluginsSection = field(default_factory=PluginsSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    sft: SftSection = field(default_factory=SftSection)
     components: dict[str, ComponentSpec] = field(default_factory=dict)
     source: Path | None = None
 
@@ -81,10 +113,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config (defaults filled in), as plain JSON-able data."""
-        data: dict[str, Any] = {
-            "run": self.run.model_dump(mode="json"),
-            "plugins": self.plugins.model_dump(mode="json"),
-        }
+        data: dict[str, Any] = {name: getattr(self, name).model_dump(mode="json") for name in FIXED_SECTIONS}
         for section, spec in self.components.items():
             data[section] = {"use": spec.name, **spec.config.model_dump(mode="json")}
         return data
@@ -100,6 +129,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([Problem("", f"cannot read {path}: {exc.strerror or exc}")]) from None
+    if path.suffix == ".json":  # a run's config.resolved.json, as the role processes read it
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([Problem("", f"{path}: JSON syntax error: {exc}")]) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -184,11 +218,8 @@ def validate(data: dict[str, Any], plugins: Plugins) -> RunConfig:
                 components[section] = spec
     if problems:
         raise ConfigError(problems)
-    return RunConfig(
-        run=fixed.get("run") or RunSection(),
-        plugins=fixed.get("plugins") or PluginsSection(),
-        components=components,
-    )
+    return RunConfig(**{name: fixed.get(name) or model() for name, model in FIXED_SECTIONS.items()},
+                     components=components)
 
 
 def validate_component(

@@ -1,11 +1,17 @@
-"""``i3core run``: build every configured component, drive the run lifecycle, close.
+"""``i3core run``: build every configured component, start the three roles, drive the lifecycle, close.
 
-The training loop itself (trainer, inference servers, orchestrator) needs a
-``[model]`` and an ``[inference]`` section; without them the run builds and
-checks everything else, fires the lifecycle hooks and says what is missing.
+On one machine (the embedded default): the trainer is a torchrun subprocess,
+the rollout source starts the inference servers, and the orchestrator runs
+here. Without ``[model]``, ``[inference]`` and ``[env]`` there is nothing to
+train: the run builds what is configured, fires the lifecycle hooks and says
+what is missing.
 """
 
+import asyncio
 import json
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,12 +19,19 @@ from typing import Any
 import structlog
 
 from i3core.config import RunConfig
+from i3core.errors import I3Error
 from i3core.manager import Plugins
+from i3core.trainer import STABLE, RunPaths
 
 log = structlog.get_logger("i3core.run")
 
 TRAINING_SECTIONS = ("model", "inference", "env")
-"""Sections the training loop needs; the rest have defaults once it runs."""
+"""Sections the training loop needs; the others have defaults."""
+DEFAULT_SECTIONS = {"loss": "icepop", "optimizer": "adamw", "scheduler": "async", "metrics": "jsonl"}
+"""Components a training run uses when their section is absent."""
+TRAINER_START_TIMEOUT_S = 900.0
+"""The trainer publishes version 0 after its SFT warm start; that must happen within this bound."""
+TRAINER_EXIT_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -35,6 +48,20 @@ class Run:
             closer = getattr(obj, "close", None)
             if callable(closer):
                 closer()
+
+
+def with_defaults(config: RunConfig, plugins: Plugins) -> RunConfig:
+    """Fill absent sections of a training run with :data:`DEFAULT_SECTIONS`."""
+    from i3core.config import validate
+
+    if any(config.get(s) is None for s in TRAINING_SECTIONS):
+        return config
+    data = config.to_dict()
+    for section, name in DEFAULT_SECTIONS.items():
+        data.setdefault(section, {"use": name})
+    resolved = validate(data, plugins)
+    resolved.source = config.source
+    return resolved
 
 
 def build(config: RunConfig, plugins: Plugins) -> Run:
@@ -57,6 +84,7 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
 
     :return: the process exit code.
     """
+    config = with_defaults(config, plugins)
     run = build(config, plugins)
     status = "failed"
     try:
@@ -71,7 +99,8 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
                 hint="the training loop needs " + ", ".join(f"[{s}]" for s in TRAINING_SECTIONS),
             )
         else:
-            log.info("components built", built=built)
+            log.info("starting", built=built)
+            train(run)
         status = "completed"
         return 0
     except KeyboardInterrupt:
@@ -81,3 +110,122 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
         plugins.hook.i3_on_run_end(config=config, status=status)
         run.close()
         log.info("run ended", status=status, output_dir=str(run.output_dir))
+
+
+def train(run: Run) -> None:
+    """Start the trainer and the inference servers, run the orchestrator, stop everything."""
+    from i3core.orchestrator import ClientSlot, Orchestrator
+
+    config = run.config
+    paths = RunPaths(run.output_dir)
+    paths.make()
+    for stale in [paths.stop(), *paths.trainer.glob("step_*.json"), *paths.batches.glob("step_*.pt")]:
+        stale.unlink(missing_ok=True)
+    (run.output_dir / "logs").mkdir(exist_ok=True)
+    trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         "-m", "i3core.trainer", str(run.output_dir / "config.resolved.json")],
+        stdout=trainer_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    source = run.components["inference"]
+    try:
+        _wait_for_version_0(trainer, paths, run.output_dir)
+        model = run.components["model"]
+        tokenizer = model.tokenizer()
+        env = run.components["env"]
+        stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
+        urls = source.start(paths.weights(0), run.output_dir / "logs")
+        clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
+        orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], clients,
+                                    [run.components["metrics"]], progress=_progress(config.run.max_steps))
+        asyncio.run(_orchestrate(orchestrator, trainer, clients))
+    finally:
+        paths.stop().write_text("")
+        try:
+            trainer.wait(timeout=TRAINER_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+            trainer.wait()
+        source.close()
+        trainer_log.close()
+        _plot(run.output_dir)
+
+
+def _wait_for_version_0(trainer: subprocess.Popen, paths: RunPaths, out: Path) -> None:
+    deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
+    while not (paths.weights(0) / STABLE).exists():
+        if trainer.poll() is not None:
+            raise I3Error(f"the trainer exited with {trainer.returncode} before publishing weights; see {out}/logs/trainer.log")
+        if time.monotonic() > deadline:
+            raise I3Error(f"the trainer published no weights in {TRAINER_START_TIMEOUT_S:.0f}s")
+        time.sleep(0.1)
+
+
+async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None:
+    async def watch_trainer():
+        while trainer.poll() is None:
+            await asyncio.sleep(0.2)
+        if trainer.returncode != 0:
+            raise I3Error(f"the trainer exited with {trainer.returncode}; see logs/trainer.log")
+
+    main = asyncio.create_task(orchestrator.run())
+    guard = asyncio.create_task(watch_trainer())
+    try:
+        done, _ = await asyncio.wait({main, guard}, return_when=asyncio.FIRST_COMPLETED)
+        if guard in done and not main.done():
+            guard.result()  # a trainer failure: raise it
+            await main
+        else:
+            main.result()
+    finally:
+        guard.cancel()
+        main.cancel()
+        await asyncio.gather(main, guard, return_exceptions=True)
+        for slot in clients:
+            await slot.client.close()
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"), transient=False,
+    )  # fmt: skip
+    task = progress.add_task("steps", total=total, status="")
+
+    def update(step: int, metrics: dict) -> None:
+        if step == 1:
+            progress.start()
+        status = f"reward {metrics.get('reward/mean', float('nan')):.3f}  loss {metrics.get('loss', float('nan')):+.4f}"
+        progress.update(task, completed=step, status=status)
+        if step == total:
+            progress.stop()
+
+    return update
+
+
+def _plot(out: Path) -> None:
+    """``plot.png``: reward and loss per step, from metrics.jsonl."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    steps = [r["step"] for r in rows]
+    for ax, key in zip(axes, ("reward/mean", "loss")):
+        ax.plot(steps, [r.get(key) for r in rows], marker=".")
+        ax.set_xlabel("step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "plot.png", dpi=100)
+    plt.close(fig)

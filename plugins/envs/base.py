@@ -27,6 +27,8 @@ class SingleTurnEnv(ABC):
     """One prompt in, one completion out, scored by :meth:`score`."""
 
     Config = SingleTurnConfig
+    stop_text = "\n"
+    """Generation stops at this text; every demonstration ends with it."""
 
     def __init__(self, config: SingleTurnConfig):
         self.config = config

@@ -73,6 +73,10 @@ class BuiltinSource:
             finally:
                 await client.close()
 
+    def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> InferenceClient:
+        """The orchestrator's client for the server at ``url``."""
+        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids)
+
     def close(self) -> None:
         for proc in self.processes:
             if proc.poll() is None:

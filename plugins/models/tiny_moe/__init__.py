@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from i3core.plugins.models.tiny_moe import hf
 from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
-from i3core.plugins.models.tiny_moe.tokenizer import VOCAB_SIZE, build_tokenizer
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, VOCAB_SIZE, build_tokenizer, token_id
 
 
 class TinyMoE:
@@ -66,6 +66,10 @@ class TinyMoE:
 
     def tokenizer(self):
         return build_tokenizer()
+
+    @property
+    def eos_token_id(self) -> int:
+        return token_id(EOS)
 
     @staticmethod
     def save_hf(model: TinyMoEModel, path: str | Path) -> Path:

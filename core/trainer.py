@@ -1,0 +1,308 @@
+"""The trainer role: one process per rank under torchrun (gloo on CPU, NCCL on GPU).
+
+Loop: wait for ``batches/step_N.pt`` -> recompute per-token logprobs (chunked
+log-softmax, each chunk recomputed in backward so a batch's ``[T, V]`` float32
+logits never exist at once) -> loss plugin -> backward over micro-batches with
+one global normaliser -> clip -> optimizer plugin -> publish weights version N
+(HF safetensors in ``broadcasts/step_N/``, then a STABLE marker) -> metrics.
+
+Before RL, an optional SFT warm start trains cross-entropy on the
+environment's demonstrations with the same model, packing and publishing;
+its result is published as version 0, the policy the servers start from.
+
+Run: ``torchrun --standalone --nproc-per-node 1 -m i3core.trainer plugins.toml``.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from i3core.config import RunConfig, load_config
+from i3core.errors import I3Error
+from i3core.packing import Sample, pack
+from i3core.types import LossInputs, TrainBatch
+
+STABLE = "STABLE"
+"""Marker file: a weight version is complete once this exists (written last, by rename)."""
+STOP = "STOP"
+"""Written by the orchestrator under the run directory when the trainer should finish."""
+BATCH_POLL_S = 0.02
+
+
+class RunPaths:
+    """Where the roles of one run exchange files."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.batches = out / "batches"
+        self.broadcasts = out / "broadcasts"
+        self.trainer = out / "trainer"
+        self.checkpoints = out / "checkpoints"
+
+    def batch(self, step: int) -> Path:
+        return self.batches / f"step_{step}.pt"
+
+    def weights(self, step: int) -> Path:
+        return self.broadcasts / f"step_{step}"
+
+    def trainer_metrics(self, step: int) -> Path:
+        return self.trainer / f"step_{step}.json"
+
+    def stop(self) -> Path:
+        return self.out / STOP
+
+    def make(self) -> None:
+        for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints):
+            path.mkdir(parents=True, exist_ok=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0) -> torch.Tensor:
+    """``[R, S]`` log p(input_ids[:, t] | tokens before t) under ``model``; column 0 is 0.
+
+    The log-softmax over the vocabulary runs ``chunk`` tokens at a time and is
+    recomputed in backward, so at most ``[chunk, V]`` float32 logits are alive.
+    """
+    hidden = model(input_ids, position_ids)[:, :-1]
+    rows, cols, width = hidden.shape
+    flat_hidden = hidden.reshape(-1, width)
+    flat_targets = input_ids[:, 1:].reshape(-1)
+
+    def chunk_logprobs(h, targets):
+        logits = model.logits(h).float() / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+    pieces = [
+        checkpoint(chunk_logprobs, h, t, use_reentrant=False)
+        for h, t in zip(flat_hidden.split(chunk), flat_targets.split(chunk))
+    ]
+    logprobs = torch.cat(pieces).reshape(rows, cols)
+    return torch.cat([logprobs.new_zeros(rows, 1), logprobs], dim=1)
+
+
+def _whole_sample_at(versions: torch.Tensor, sequence_ids: torch.Tensor, mask: torch.Tensor, version: int):
+    """``[T]`` bool: tokens of samples whose every loss token was sampled by ``version``.
+
+    Only those are comparable one to one with the trainer's logprobs: a token
+    generated after an in-flight update still attends to keys computed by the
+    weights before it.
+    """
+    num = int(sequence_ids.max()) + 1
+    off = (mask & (versions != version)).long()
+    bad = torch.zeros(num, dtype=torch.long).index_add_(0, sequence_ids, off)
+    return bad[sequence_ids] == 0
+
+
+def micro_batches(batch: TrainBatch, rows: int):
+    for start in range(0, batch.input_ids.shape[0], rows):
+        span = slice(start, start + rows)
+        yield {
+            "input_ids": batch.input_ids[span],
+            "position_ids": batch.position_ids[span],
+            "loss_mask": batch.loss_mask[span],
+            "advantages": batch.advantages[span],
+            "inference_logprobs": batch.inference_logprobs[span],
+            "sequence_ids": batch.sequence_ids[span],
+        }
+
+
+class Trainer:
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.paths = RunPaths(config.run.out)
+        self.model_component = config.get("model").build()
+        torch.manual_seed(config.run.seed)
+        self.model = self.model_component.build(seed=config.run.seed)
+        self.model.train()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    # -- publishing ----------------------------------------------------------
+
+    def publish(self, version: int) -> Path:
+        """Write weights ``version`` as an HF directory, then its STABLE marker; prune old versions."""
+        target = self.paths.weights(version)
+        if self.rank == 0:
+            staging = target.with_name(f".{target.name}.tmp")
+            shutil.rmtree(staging, ignore_errors=True)
+            self.model_component.save_hf(self.model, staging)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(staging, target)
+            atomic_write_bytes(target / STABLE, b"")
+            keep = self.config.trainer.keep_broadcasts
+            for old in range(version - keep, -1, -1):
+                path = self.paths.weights(old)
+                if not path.exists():
+                    break
+                shutil.rmtree(path, ignore_errors=True)
+        return target
+
+    # -- SFT -----------------------------------------------------------------
+
+    def sft(self) -> None:
+        cfg = self.config.sft
+        env = self.config.get("env").build()
+        tokenizer = self.model_component.tokenizer()
+        examples = list(env.examples())
+        rng = random.Random(self.config.run.seed)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        for step in range(1, cfg.steps + 1):
+            samples = []
+            for example in rng.sample(examples, min(cfg.batch_size, len(examples))):
+                prompt = tokenizer.encode(example.prompt).ids
+                answer = tokenizer.encode(env.demonstration(example)).ids
+                n = len(prompt) + len(answer)
+                samples.append(Sample(prompt + answer, [False] * len(prompt) + [True] * len(answer), [0.0] * n,
+                                      [-1] * n, 0.0))
+            batch = pack(samples, self.config.trainer.seq_len)
+            optimizer.zero_grad(set_to_none=True)
+            lp = token_logprobs(self.model, batch.input_ids, batch.position_ids, self.config.trainer.logprob_chunk)
+            loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum().clamp_min(1)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+            optimizer.step()
+            if step % 50 == 0 or step == cfg.steps:
+                print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4)}), flush=True)
+
+    # -- RL ------------------------------------------------------------------
+
+    def wait_for_batch(self, step: int) -> TrainBatch | None:
+        path = self.paths.batch(step)
+        while not path.exists():
+            if self.paths.stop().exists():
+                return None
+            time.sleep(BATCH_POLL_S)
+        return torch.load(path, weights_only=False)
+
+    def train_step(self, batch: TrainBatch, loss_fn, optimizer, version: int) -> dict[str, float]:
+        """One optimizer step on ``batch``; the weights being trained are policy ``version``."""
+        tcfg = self.config.trainer
+        optimizer.zero_grad(set_to_none=True)
+        total = batch.num_loss_tokens
+        metrics: dict[str, float] = {}
+        loss_sum, abs_diff, n_tokens = 0.0, 0.0, 0
+        same_diff, same_tokens = 0.0, 0  # tokens sampled by exactly these weights: engine vs trainer numerics
+        for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
+                                batch.versions.split(tcfg.micro_batch_rows)):
+            lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk)
+            mask = mb["loss_mask"].reshape(-1)
+            out = loss_fn(
+                LossInputs(
+                    trainer_logprobs=lp.reshape(-1),
+                    inference_logprobs=mb["inference_logprobs"].reshape(-1),
+                    advantages=mb["advantages"].reshape(-1),
+                    loss_mask=mask,
+                    sequence_ids=mb["sequence_ids"].reshape(-1),
+                    num_loss_tokens=total,
+                )
+            )
+            out.loss.backward()
+            loss_sum += out.loss.item()
+            weight = int(mask.sum())
+            for key, value in out.metrics.items():  # token-weighted mean over micro-batches
+                metrics[key] = metrics.get(key, 0.0) + value * weight
+            diff = (lp.detach().reshape(-1) - mb["inference_logprobs"].reshape(-1))[mask]
+            abs_diff += float(diff.abs().sum())
+            n_tokens += weight
+            same = _whole_sample_at(versions.reshape(-1), mb["sequence_ids"].reshape(-1), mask, version)[mask]
+            same_diff += float(diff[same].abs().sum())
+            same_tokens += int(same.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm)
+        optimizer.step()
+        metrics = {k: v / max(n_tokens, 1) for k, v in metrics.items()}
+        metrics.update(
+            {
+                "loss": loss_sum,
+                "grad_norm": float(grad_norm),
+                "mismatch/mean_abs_logprob_diff": abs_diff / max(n_tokens, 1),
+                "mismatch/same_version_abs_diff": same_diff / same_tokens if same_tokens else float("nan"),
+                "mismatch/same_version_tokens": float(same_tokens),
+                "train/loss_tokens": float(total),
+                "train/rows": float(batch.input_ids.shape[0]),
+            }
+        )
+        return metrics
+
+    def checkpoint(self, step: int, optimizer) -> None:
+        if self.rank != 0:
+            return
+        target = self.paths.checkpoints / f"step_{step}"
+        staging = target.with_name(f".{target.name}.tmp")
+        staging.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                   staging / "trainer.pt")
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+
+    def run(self) -> None:
+        self.paths.make()
+        if self.config.sft.steps:
+            self.sft()
+        self.publish(0)
+        loss_fn = self.config.get("loss").build()
+        optimizer = self.config.get("optimizer").build().build(self.model.named_parameters())
+        every = self.config.trainer.checkpoint_every
+        last = 0
+        for step in range(1, self.config.run.max_steps + 1):
+            batch = self.wait_for_batch(step)
+            if batch is None:
+                break
+            start = time.perf_counter()
+            metrics = self.train_step(batch, loss_fn, optimizer, version=step - 1)
+            self.publish(step)
+            metrics["step_time_s"] = time.perf_counter() - start
+            if self.rank == 0:
+                atomic_write_bytes(self.paths.trainer_metrics(step), json.dumps(metrics).encode())
+            last = step
+            if every and step % every == 0:
+                self.checkpoint(step, optimizer)
+        if last:
+            self.checkpoint(last, optimizer)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="i3core trainer", description="The trainer role (run it under torchrun).")
+    parser.add_argument("config", type=Path, help="plugins.toml or a run's config.resolved.json")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
+    args = parser.parse_args(argv)
+    try:
+        config, _ = load_config(args.config, args.overrides)
+        for section in ("model", "env", "loss", "optimizer"):
+            if config.get(section) is None:
+                raise I3Error(f"the trainer needs a [{section}] section")
+        torch.set_num_threads(config.trainer.threads)
+        if "RANK" in os.environ and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise I3Error("more than one trainer process needs FSDP2 sharding, which this build does not have yet")
+        Trainer(config).run()
+        return 0
+    except I3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Built-in orchestrator schedulers."""
+
+from i3core import hookimpl
+from i3core.plugins.schedulers.async_scheduler import AsyncScheduler
+
+
+@hookimpl
+def i3_register_schedulers(register):
+    register("async", AsyncScheduler)
