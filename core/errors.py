@@ -14,6 +14,10 @@ class PluginError(I3Error):
     """A plugin is broken: it fails to import, misnames a hook or clashes with another."""
 
 
+class ServerError(I3Error):
+    """An inference server answered with an error or could not be reached."""
+
+
 class ConfigError(I3Error):
     """A plugins.toml has problems; ``problems`` holds every one of them."""
 

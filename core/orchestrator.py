@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from i3core.errors import ServerError
 from i3core.events import end_step, group_kept
 from i3core.packing import group_advantages, pack, sample_from_rollout
 from i3core.trainer import STABLE, RunPaths, atomic_torch_save
@@ -103,12 +104,17 @@ class Orchestrator:
                                        return_exceptions=True)
         rollouts = []
         for result in results:
-            if isinstance(result, BaseException):
+            if isinstance(result, ServerError):
                 self.ledger.failed += 1
                 slot.errors += 1
                 if not slot.down:
                     slot.down = True
                     log.warning("inference server marked down", url=slot.url, error=str(result))
+            elif isinstance(result, Exception):  # the env failed on this rollout: counted, the run goes on
+                self.ledger.failed += 1
+                log.warning("rollout failed", example=example.id, error=f"{type(result).__name__}: {result}")
+            elif isinstance(result, BaseException):
+                raise result
             else:
                 self.plugins.hook.i3_on_rollout_finished(rollout=result)
                 rollouts.append(result)

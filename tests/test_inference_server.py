@@ -6,7 +6,8 @@ import aiohttp
 import pytest
 import torch
 
-from i3core.plugins.inference.client import InferenceClient, ServerError
+from i3core.errors import ServerError
+from i3core.plugins.inference.client import InferenceClient
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.testing import make_component
 

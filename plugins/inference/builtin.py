@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import I3Error
-from i3core.plugins.inference.client import InferenceClient, ServerError
+from i3core.errors import I3Error, ServerError
+from i3core.plugins.inference.client import InferenceClient
 
 STARTUP_TIMEOUT_S = 120.0
 """Loading torch and the model takes a few seconds on 2 cores; a server that is not up by then failed."""

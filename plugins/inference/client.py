@@ -6,14 +6,11 @@ completions come back as token ids with logprobs and per-token versions.
 
 import aiohttp
 
+from i3core.errors import ServerError
 from i3core.types import Completion
 
 REQUEST_TIMEOUT_S = 600
 """A generation may wait behind a full batch; the bound only catches a dead server."""
-
-
-class ServerError(RuntimeError):
-    """The server answered with an error or could not be reached."""
 
 
 class InferenceClient:
