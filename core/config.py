@@ -56,7 +56,6 @@ class TrainerSection(BaseModel):
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary.")
     threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
-    keep_broadcasts: int = Field(3, ge=1, description="Weight versions kept under broadcasts/.")
 
 
 class SftSection(BaseModel):

@@ -28,7 +28,7 @@ import structlog
 from i3core.errors import ServerError
 from i3core.events import end_step, group_kept
 from i3core.packing import group_advantages, pack, sample_from_rollout
-from i3core.trainer import STABLE, RunPaths, atomic_torch_save
+from i3core.trainer import RunPaths, atomic_torch_save
 from i3core.types import Group
 
 log = structlog.get_logger("i3core.orchestrator")
@@ -73,6 +73,7 @@ class Orchestrator:
     plugins: Any
     env: Any
     scheduler: Any
+    weight_sync: Any
     clients: list[ClientSlot]
     sinks: list
     progress: Any = None
@@ -169,8 +170,8 @@ class Orchestrator:
         step = 1
         while step <= self.max_steps:
             metrics_path = self.paths.trainer_metrics(step)
-            weights = self.paths.weights(step)
-            if not (metrics_path.exists() and (weights / STABLE).exists()):
+            weights = self.weight_sync.location(self.paths.broadcasts, step)
+            if not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
                 await asyncio.sleep(TRAINER_POLL_S)
                 continue
             trainer_metrics = json.loads(metrics_path.read_text())

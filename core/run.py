@@ -21,13 +21,19 @@ import structlog
 from i3core.config import RunConfig
 from i3core.errors import I3Error
 from i3core.manager import Plugins
-from i3core.trainer import STABLE, RunPaths
+from i3core.trainer import RunPaths
 
 log = structlog.get_logger("i3core.run")
 
 TRAINING_SECTIONS = ("model", "inference", "env")
 """Sections the training loop needs; the others have defaults."""
-DEFAULT_SECTIONS = {"loss": "icepop", "optimizer": "adamw", "scheduler": "async", "metrics": "jsonl"}
+DEFAULT_SECTIONS = {
+    "loss": "icepop",
+    "optimizer": "adamw",
+    "scheduler": "async",
+    "weight_sync": "filesystem",
+    "metrics": "jsonl",
+}
 """Components a training run uses when their section is absent."""
 TRAINER_START_TIMEOUT_S = 900.0
 """The trainer publishes version 0 after its SFT warm start; that must happen within this bound."""
@@ -130,14 +136,15 @@ def train(run: Run) -> None:
     )  # fmt: skip
     source = run.components["inference"]
     try:
-        _wait_for_version_0(trainer, paths, run.output_dir)
+        sync = run.components["weight_sync"]
+        _wait_for_version_0(trainer, sync, paths, run.output_dir)
         model = run.components["model"]
         tokenizer = model.tokenizer()
         env = run.components["env"]
         stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
-        urls = source.start(paths.weights(0), run.output_dir / "logs")
+        urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs")
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
-        orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], clients,
+        orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     [run.components["metrics"]], progress=_progress(config.run.max_steps))
         asyncio.run(_orchestrate(orchestrator, trainer, clients))
     finally:
@@ -152,9 +159,9 @@ def train(run: Run) -> None:
         _plot(run.output_dir)
 
 
-def _wait_for_version_0(trainer: subprocess.Popen, paths: RunPaths, out: Path) -> None:
+def _wait_for_version_0(trainer: subprocess.Popen, sync, paths: RunPaths, out: Path) -> None:
     deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
-    while not (paths.weights(0) / STABLE).exists():
+    while not sync.is_ready(paths.broadcasts, 0):
         if trainer.poll() is not None:
             raise I3Error(f"the trainer exited with {trainer.returncode} before publishing weights; see {out}/logs/trainer.log")
         if time.monotonic() > deadline:

@@ -31,8 +31,6 @@ from i3core.errors import I3Error
 from i3core.packing import Sample, pack
 from i3core.types import LossInputs, TrainBatch
 
-STABLE = "STABLE"
-"""Marker file: a weight version is complete once this exists (written last, by rename)."""
 STOP = "STOP"
 """Written by the orchestrator under the run directory when the trainer should finish."""
 BATCH_POLL_S = 0.02
@@ -50,9 +48,6 @@ class RunPaths:
 
     def batch(self, step: int) -> Path:
         return self.batches / f"step_{step}.pt"
-
-    def weights(self, step: int) -> Path:
-        return self.broadcasts / f"step_{step}"
 
     def trainer_metrics(self, step: int) -> Path:
         return self.trainer / f"step_{step}.json"
@@ -131,6 +126,7 @@ class Trainer:
         self.config = config
         self.paths = RunPaths(config.run.out)
         self.model_component = config.get("model").build()
+        self.weight_sync = config.get("weight_sync").build()
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
@@ -139,21 +135,11 @@ class Trainer:
     # -- publishing ----------------------------------------------------------
 
     def publish(self, version: int) -> Path:
-        """Write weights ``version`` as an HF directory, then its STABLE marker; prune old versions."""
-        target = self.paths.weights(version)
+        """Publish the weights as ``version`` through the weight-sync component."""
+        target = self.weight_sync.location(self.paths.broadcasts, version)
         if self.rank == 0:
-            staging = target.with_name(f".{target.name}.tmp")
-            shutil.rmtree(staging, ignore_errors=True)
-            self.model_component.save_hf(self.model, staging)
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staging, target)
-            atomic_write_bytes(target / STABLE, b"")
-            keep = self.config.trainer.keep_broadcasts
-            for old in range(version - keep, -1, -1):
-                path = self.paths.weights(old)
-                if not path.exists():
-                    break
-                shutil.rmtree(path, ignore_errors=True)
+            self.weight_sync.publish(self.paths.broadcasts, version,
+                                     lambda directory: self.model_component.save_hf(self.model, directory))
         return target
 
     # -- SFT -----------------------------------------------------------------
@@ -286,7 +272,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         config, _ = load_config(args.config, args.overrides)
-        for section in ("model", "env", "loss", "optimizer"):
+        for section in ("model", "env", "loss", "optimizer", "weight_sync"):
             if config.get(section) is None:
                 raise I3Error(f"the trainer needs a [{section}] section")
         torch.set_num_threads(config.trainer.threads)

@@ -1,0 +1,9 @@
+"""Built-in weight-sync transports."""
+
+from i3core import hookimpl
+from i3core.plugins.weight_sync.filesystem import FilesystemSync
+
+
+@hookimpl
+def i3_register_weight_syncs(register):
+    register("filesystem", FilesystemSync)
