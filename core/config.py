@@ -54,6 +54,7 @@ class TrainerSection(BaseModel):
     micro_batch_rows: int = Field(8, ge=1, description="Rows per forward/backward (gradient accumulation).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary.")
+    nproc: int = Field(1, ge=1, description="Trainer processes (torchrun --nproc-per-node); >1 shards with FSDP2.")
     threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
 

@@ -130,7 +130,7 @@ def train(run: Run) -> None:
     (run.output_dir / "logs").mkdir(exist_ok=True)
     trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.trainer.nproc),
          "-m", "i3core.trainer", str(run.output_dir / "config.resolved.json")],
         stdout=trainer_log, stderr=subprocess.STDOUT,
     )  # fmt: skip

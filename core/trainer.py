@@ -121,7 +121,18 @@ def micro_batches(batch: TrainBatch, rows: int):
         }
 
 
+def _plain(value) -> float:
+    """A float from a tensor that may be a DTensor (FSDP2 gives sharded scalars)."""
+    full = getattr(value, "full_tensor", None)
+    return float(full() if callable(full) else value)
+
+
 class Trainer:
+    """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded,
+    each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
+    FSDP2 averages gradients over ranks while the loss is already normalised by the global
+    token count."""
+
     def __init__(self, config: RunConfig):
         self.config = config
         self.paths = RunPaths(config.run.out)
@@ -131,15 +142,60 @@ class Trainer:
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.world > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model.blocks:
+                fully_shard(block)
+            fully_shard(self.model)
+
+    def local_rows(self, batch: TrainBatch) -> TrainBatch:
+        """This rank's rows; the batch is padded with empty rows so every rank runs every collective."""
+        if self.world == 1:
+            return batch
+        rows = batch.input_ids.shape[0]
+        pad = (-rows) % self.world
+        fields = {}
+        for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs",
+                     "sequence_ids", "versions"):
+            tensor = getattr(batch, name)
+            if pad:
+                filler = torch.zeros((pad, tensor.shape[1]), dtype=tensor.dtype)
+                if name == "sequence_ids":
+                    filler.fill_(batch.num_samples)
+                if name == "versions":
+                    filler.fill_(-1)
+                tensor = torch.cat([tensor, filler])
+            fields[name] = tensor[self.rank :: self.world]
+        return TrainBatch(**fields, num_samples=batch.num_samples)
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded state dict on rank 0 (None elsewhere); a collective when sharded."""
+        if self.world == 1:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None
+
+    def _unsharded_model(self, state):
+        if self.world == 1:
+            return self.model
+        plain = self.model_component.build(seed=0)
+        plain.load_state_dict(state)
+        return plain
 
     # -- publishing ----------------------------------------------------------
 
     def publish(self, version: int) -> Path:
         """Publish the weights as ``version`` through the weight-sync component."""
         target = self.weight_sync.location(self.paths.broadcasts, version)
+        state = self.full_state()
         if self.rank == 0:
+            model = self._unsharded_model(state)
             self.weight_sync.publish(self.paths.broadcasts, version,
-                                     lambda directory: self.model_component.save_hf(self.model, directory))
+                                     lambda directory: self.model_component.save_hf(model, directory))
         return target
 
     # -- SFT -----------------------------------------------------------------
@@ -160,13 +216,15 @@ class Trainer:
                 samples.append(Sample(prompt + answer, [False] * len(prompt) + [True] * len(answer), [0.0] * n,
                                       [-1] * n, 0.0))
             batch = pack(samples, self.config.trainer.seq_len)
+            total = batch.loss_mask.sum().clamp_min(1)
+            batch = self.local_rows(batch)
             optimizer.zero_grad(set_to_none=True)
             lp = token_logprobs(self.model, batch.input_ids, batch.position_ids, self.config.trainer.logprob_chunk)
-            loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum().clamp_min(1)
-            loss.backward()
+            loss = -(lp * batch.loss_mask).sum() / total
+            (loss * self.world).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
             optimizer.step()
-            if step % 50 == 0 or step == cfg.steps:
+            if self.rank == 0 and (step % 50 == 0 or step == cfg.steps):
                 print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4)}), flush=True)
 
     # -- RL ------------------------------------------------------------------
@@ -184,6 +242,7 @@ class Trainer:
         tcfg = self.config.trainer
         optimizer.zero_grad(set_to_none=True)
         total = batch.num_loss_tokens
+        batch = self.local_rows(batch)
         metrics: dict[str, float] = {}
         loss_sum, abs_diff, n_tokens = 0.0, 0.0, 0
         same_diff, same_tokens = 0.0, 0  # tokens sampled by exactly these weights: engine vs trainer numerics
@@ -201,7 +260,7 @@ class Trainer:
                     num_loss_tokens=total,
                 )
             )
-            out.loss.backward()
+            (out.loss * self.world).backward()
             loss_sum += out.loss.item()
             weight = int(mask.sum())
             for key, value in out.metrics.items():  # token-weighted mean over micro-batches
@@ -214,11 +273,15 @@ class Trainer:
             same_tokens += int(same.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm)
         optimizer.step()
+        if self.world > 1:  # sums over ranks; the loss plugin's own metrics stay rank 0's
+            sums = torch.tensor([loss_sum, abs_diff, n_tokens, same_diff, same_tokens], dtype=torch.float64)
+            dist.all_reduce(sums)
+            loss_sum, abs_diff, n_tokens, same_diff, same_tokens = sums.tolist()
         metrics = {k: v / max(n_tokens, 1) for k, v in metrics.items()}
         metrics.update(
             {
                 "loss": loss_sum,
-                "grad_norm": float(grad_norm),
+                "grad_norm": _plain(grad_norm),
                 "mismatch/mean_abs_logprob_diff": abs_diff / max(n_tokens, 1),
                 "mismatch/same_version_abs_diff": same_diff / same_tokens if same_tokens else float("nan"),
                 "mismatch/same_version_tokens": float(same_tokens),
@@ -229,15 +292,22 @@ class Trainer:
         return metrics
 
     def checkpoint(self, step: int, optimizer) -> None:
-        if self.rank != 0:
-            return
+        """``checkpoints/step_N/``: the full model (rank 0) and each rank's optimizer state, renamed into place."""
         target = self.paths.checkpoints / f"step_{step}"
         staging = target.with_name(f".{target.name}.tmp")
-        staging.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                   staging / "trainer.pt")
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
+        state = self.full_state()
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            torch.save({"model": state, "step": step}, staging / "model.pt")
+        if self.world > 1:
+            dist.barrier()
+        torch.save(optimizer.state_dict(), staging / f"optimizer-rank{self.rank}.pt")
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(staging, target)
 
     def run(self) -> None:
         self.paths.make()
@@ -278,8 +348,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(config.trainer.threads)
         if "RANK" in os.environ and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            raise I3Error("more than one trainer process needs FSDP2 sharding, which this build does not have yet")
         Trainer(config).run()
         return 0
     except I3Error as exc:

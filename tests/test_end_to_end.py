@@ -42,7 +42,7 @@ def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
     # Version 0 is exactly what the servers sampled with: the trainer and the server agree.
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
     assert rows[0]["mismatch/same_version_tokens"] > 0
-    assert (out / "checkpoints" / "step_6" / "trainer.pt").exists()
+    assert (out / "checkpoints" / "step_6" / "model.pt").exists()
     assert (out / "broadcasts" / "step_6" / "STABLE").exists()
     assert (out / "plot.png").stat().st_size > 0
     assert "Traceback" not in stderr

@@ -1,0 +1,64 @@
+"""The trainer under torchrun: 2 FSDP2-sharded gloo ranks train exactly like 1 process."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from i3core.config import validate
+from i3core.packing import Sample, pack
+from i3core.testing import plugin_manager
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"use": "tiny-moe", "hidden_size": 64, "num_experts": 4, "moe_intermediate_size": 32}
+
+
+def make_batches(out, steps):
+    rng = random.Random(0)
+    (out / "batches").mkdir(parents=True)
+    for step in range(1, steps + 1):
+        samples = []
+        for _ in range(13):  # an odd number of rows, so one rank gets a padding row
+            n_prompt, n_completion = rng.randint(2, 6), rng.randint(2, 8)
+            ids = [rng.randrange(256) for _ in range(n_prompt + n_completion)]
+            logprobs = [0.0] * n_prompt + [-rng.uniform(0.5, 3.0) for _ in range(n_completion)]
+            samples.append(Sample(ids, [False] * n_prompt + [True] * n_completion, logprobs,
+                                  [-1] * n_prompt + [0] * n_completion, rng.uniform(-1, 1)))
+        torch.save(pack(samples, seq_len=16), out / "batches" / f"step_{step}.pt")
+
+
+def train(tmp_path, nproc, steps=2):
+    out = tmp_path / f"nproc{nproc}"
+    make_batches(out, steps)
+    data = {"run": {"output_dir": str(out), "max_steps": steps}, "model": MODEL,
+            "env": {"use": "reverse-text"}, "loss": {"use": "icepop"}, "optimizer": {"use": "adamw", "lr": 1e-2},
+            "weight_sync": {"use": "filesystem"}, "trainer": {"seq_len": 16, "micro_batch_rows": 3, "nproc": nproc}}
+    config = validate(data, plugin_manager(installed=False))
+    path = tmp_path / f"config{nproc}.json"
+    path.write_text(json.dumps(config.to_dict()))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "i3core.trainer", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    weights = load_file(str(out / "broadcasts" / f"step_{steps}" / "model.safetensors"))
+    metrics = json.loads((out / "trainer" / f"step_{steps}.json").read_text())
+    return weights, metrics, out
+
+
+def test_two_sharded_ranks_match_one_process(tmp_path):
+    one, metrics_one, _ = train(tmp_path, 1)
+    two, metrics_two, out = train(tmp_path, 2)
+    assert one.keys() == two.keys()
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-5, worst
+    assert metrics_one["loss"] == pytest.approx(metrics_two["loss"], abs=1e-5)
+    assert metrics_one["train/loss_tokens"] == metrics_two["train/loss_tokens"]
+    assert {p.name for p in (out / "checkpoints" / "step_2").iterdir()} == {
+        "model.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"}
