@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from i3core.config import RunConfig
+from i3core.config import RunConfig, validate
 from i3core.errors import I3Error
 from i3core.manager import Plugins
 from i3core.trainer import RunPaths
@@ -58,8 +58,6 @@ class Run:
 
 def with_defaults(config: RunConfig, plugins: Plugins) -> RunConfig:
     """Fill absent sections of a training run with :data:`DEFAULT_SECTIONS`."""
-    from i3core.config import validate
-
     if any(config.get(s) is None for s in TRAINING_SECTIONS):
         return config
     data = config.to_dict()
