@@ -28,7 +28,8 @@ import structlog
 from i3core.errors import ServerError
 from i3core.events import end_step, group_kept
 from i3core.packing import group_advantages, pack, sample_from_rollout
-from i3core.trainer import RunPaths, atomic_torch_save
+from i3core.files import atomic_torch_save
+from i3core.trainer import RunPaths
 from i3core.types import Group
 
 log = structlog.get_logger("i3core.orchestrator")

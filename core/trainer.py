@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from i3core.config import RunConfig, load_config
 from i3core.errors import I3Error
+from i3core.files import atomic_write_bytes
 from i3core.packing import Sample, pack
 from i3core.types import LossInputs, TrainBatch
 
@@ -58,18 +59,6 @@ class RunPaths:
     def make(self) -> None:
         for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints):
             path.mkdir(parents=True, exist_ok=True)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0) -> torch.Tensor:

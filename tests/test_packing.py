@@ -9,7 +9,6 @@ from i3core.packing import Sample, group_advantages, pack
 
 def sample(n_prompt, n_completion, advantage=1.0, start=1):
     ids = list(range(start, start + n_prompt + n_completion))
-    n = len(ids)
     return Sample(ids, [False] * n_prompt + [True] * n_completion, [0.0] * n_prompt + [-0.5] * n_completion,
                   [-1] * n_prompt + [3] * n_completion, advantage)
 

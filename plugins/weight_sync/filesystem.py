@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from i3core.files import atomic_write_bytes
+
 STABLE = "STABLE"
 """Marker file: a version is complete once it exists."""
 
@@ -43,9 +45,7 @@ class FilesystemSync:
         save(staging)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(staging, target)
-        marker = target / f".{STABLE}.tmp"
-        marker.write_bytes(b"")
-        os.replace(marker, target / STABLE)
+        atomic_write_bytes(target / STABLE, b"")
         for old in range(version - self.config.keep, -1, -1):
             path = self.location(root, old)
             if not path.exists():
