@@ -19,6 +19,7 @@ the loss (and from the default normaliser) and counted.
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from i3core.plugins.losses.common import masked_sum, prepare, ratio_metrics
 from i3core.types import LossInputs, LossOutput
 
 
@@ -45,41 +46,24 @@ class IcePop:
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
         cfg = self.config
-        trainer_lp = inputs.trainer_logprobs
-        finite = torch.isfinite(inputs.inference_logprobs)
-        loss_tokens = inputs.loss_mask.bool() & finite
-        # Non-finite inference logprobs are replaced so no NaN reaches the graph; those tokens are dropped.
-        inference_lp = torch.where(finite, inputs.inference_logprobs, trainer_lp.detach())
-        log_ratio = (trainer_lp - inference_lp).detach()
-        ratio = log_ratio.exp()
-
-        low = loss_tokens & (ratio < cfg.mask_low)
-        high = loss_tokens & (ratio > cfg.mask_high)
-        killed = _killed_samples(loss_tokens & (ratio < cfg.rollout_min_ratio), inputs.sequence_ids)
-        keep = loss_tokens & ~low & ~high & ~killed[inputs.sequence_ids]
+        p = prepare(inputs)
+        ratio = p.ratio
+        low = p.loss_tokens & (ratio < cfg.mask_low)
+        high = p.loss_tokens & (ratio > cfg.mask_high)
+        killed = _killed_samples(p.loss_tokens & (ratio < cfg.rollout_min_ratio), inputs.sequence_ids)
+        keep = p.loss_tokens & ~low & ~high & ~killed[inputs.sequence_ids]
 
         # exp of 0 outside `keep`, so masked tokens (whose ratio may be inf) give neither NaN nor gradient.
-        kept_ratio = torch.exp(torch.where(keep, trainer_lp - inference_lp, torch.zeros_like(trainer_lp)))
-        normaliser = (
-            loss_tokens.sum().clamp_min(1).to(trainer_lp.dtype)
-            if inputs.num_loss_tokens is None
-            else inputs.normaliser()
-        )
-        per_token = torch.where(keep, -kept_ratio * inputs.advantages, torch.zeros_like(trainer_lp))
-        loss = per_token.sum() / normaliser
+        kept_ratio = torch.exp(torch.where(keep, p.log_ratio, torch.zeros_like(p.log_ratio)))
+        loss = masked_sum(-kept_ratio * inputs.advantages, keep) / p.normaliser
 
-        n_loss = max(int(loss_tokens.sum()), 1)
+        n_loss = max(int(p.loss_tokens.sum()), 1)
         present = torch.unique(inputs.sequence_ids[inputs.loss_mask.bool()])
-        r = ratio[loss_tokens]
         metrics = {
             "loss/masked_low_frac": float(low.sum()) / n_loss,
             "loss/masked_high_frac": float(high.sum()) / n_loss,
             "loss/masked_sample_frac": float(killed[present].float().mean()) if len(present) else 0.0,
-            "loss/ratio_mean": float(r.mean()) if len(r) else 1.0,
-            "loss/ratio_max": float(r.max()) if len(r) else 1.0,
-            # k3 estimator of KL(inference || trainer) over loss tokens.
-            "mismatch/kl": float((r - 1 - log_ratio[loss_tokens]).mean()) if len(r) else 0.0,
-            "loss/nonfinite_tokens": float((inputs.loss_mask.bool() & ~finite).sum()),
+            **ratio_metrics(p),
         }
         return LossOutput(loss=loss, metrics=metrics)
 
