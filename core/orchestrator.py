@@ -171,14 +171,16 @@ class Orchestrator:
         step = 1
         while step <= self.max_steps:
             metrics_path = self.paths.trainer_metrics(step)
-            weights = self.weight_sync.location(self.paths.broadcasts, step)
             if not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
                 await asyncio.sleep(TRAINER_POLL_S)
                 continue
             trainer_metrics = json.loads(metrics_path.read_text())
-            await self._update_servers(weights, step)
+            served = step - self.scheduler.config.weight_update_lag
+            if served > self.served_version:
+                await self._update_servers(self.weight_sync.location(self.paths.broadcasts, served), served)
             metrics = {**self._batch_metrics.pop(step, {}), **trainer_metrics, **self.ledger.metrics()}
             metrics["weights/version"] = step
+            metrics["weights/served_version"] = self.served_version
             metrics["time/elapsed_s"] = time.perf_counter() - self._started
             end_step(self.plugins.hook, self.sinks, step, metrics)
             if self.progress is not None:

@@ -230,7 +230,8 @@ class Trainer:
         """One optimizer step on ``batch``; the weights being trained are policy ``version``."""
         tcfg = self.config.trainer
         optimizer.zero_grad(set_to_none=True)
-        total = batch.num_loss_tokens
+        # The global normaliser: loss tokens with a finite inference logprob (others are dropped by the loss).
+        total = int((batch.loss_mask & torch.isfinite(batch.inference_logprobs)).sum())
         batch = self.local_rows(batch)
         metrics: dict[str, float] = {}
         loss_sum, abs_diff, n_tokens = 0.0, 0.0, 0

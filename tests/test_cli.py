@@ -29,7 +29,7 @@ def test_plugins_json_lists_builtins_with_distribution():
     by_name = {p["name"]: p for p in report["plugins"]}
     losses = by_name["i3core.losses"]
     assert losses["distribution"] == "i3core" and losses["version"]
-    assert losses["components"] == {"loss": ["cispo", "grpo", "gspo", "icepop"]} and losses["hooks"] == ["i3_register_losses"]
+    assert losses["components"] == {"loss": ["cispo", "grpo", "gspo", "icepop", "pg"]} and losses["hooks"] == ["i3_register_losses"]
     assert report["failed"] == [] and report["blocked"] == []
 
 

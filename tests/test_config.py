@@ -53,7 +53,7 @@ def test_quickstart_is_valid():
 def test_unknown_section_wrong_type_and_missing_use(builtins):
     found = problems({"envv": {}, "loss": {"mask_low": "x"}, "run": {"max_steps": 0}, "env": 3}, builtins)
     assert found[0][0] == "envv" and "did you mean 'env'" in found[0][1]
-    assert found[1] == ("loss.use", "missing: pick a loss: cispo (i3core), grpo (i3core), gspo (i3core), icepop (i3core)")
+    assert found[1] == ("loss.use", "missing: pick a loss: cispo (i3core), grpo (i3core), gspo (i3core), icepop (i3core), pg (i3core)")
     assert found[2][0] == "run.max_steps" and "greater than or equal to 1" in found[2][1]
     assert found[3] == ("env", "must be a table ([env]), got int")
 

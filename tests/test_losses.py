@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from i3core.testing import make_component
 from i3core.types import LossInputs
 
-LOSSES = ["icepop", "cispo", "gspo", "grpo"]
+LOSSES = ["icepop", "cispo", "gspo", "grpo", "pg"]
 
 
 def inputs(trainer, inference, advantages, mask, seq, num=None):

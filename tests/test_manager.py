@@ -54,7 +54,7 @@ def test_builtins_load_through_entry_points_with_their_distribution(builtins):
     infos = {info.name: info for info in builtins.info()}
     assert {"i3core.losses", "i3core.optimizers", "i3core.envs", "i3core.metric_sinks"} <= set(infos)
     assert all(info.distribution == "i3core" for info in infos.values())
-    assert infos["i3core.losses"].components == {"loss": ["cispo", "grpo", "gspo", "icepop"]}
+    assert infos["i3core.losses"].components == {"loss": ["cispo", "grpo", "gspo", "icepop", "pg"]}
     assert infos["i3core.losses"].hooks == ["i3_register_losses"]
 
 

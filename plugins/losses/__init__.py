@@ -5,6 +5,7 @@ from i3core.plugins.losses.cispo import Cispo
 from i3core.plugins.losses.grpo import Grpo
 from i3core.plugins.losses.gspo import Gspo
 from i3core.plugins.losses.icepop import IcePop
+from i3core.plugins.losses.pg import PolicyGradient
 
 
 @hookimpl
@@ -13,3 +14,4 @@ def i3_register_losses(register):
     register("cispo", Cispo)
     register("gspo", Gspo)
     register("grpo", Grpo)
+    register("pg", PolicyGradient)

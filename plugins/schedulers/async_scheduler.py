@@ -22,12 +22,20 @@ class AsyncScheduler:
         inflight: int = Field(64, ge=1, description="Rollouts kept generating at once; a multiple of group_size.")
         max_off_policy_steps: int = Field(8, ge=0, description="Drop groups older than this many versions.")
         max_async: int = Field(1, ge=0, description="Trainer steps the batches may run ahead of served weights.")
+        weight_update_lag: int = Field(
+            0, ge=0, description="Serve version N only once the trainer has N + lag (forces staleness, for ablations)."
+        )
 
         @model_validator(mode="after")
         def _multiples(self):
             for name in ("batch_size", "inflight"):
                 if getattr(self, name) % self.group_size:
                     raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of group_size ({self.group_size})")
+            if self.weight_update_lag > self.max_async:
+                raise ValueError(
+                    f"weight_update_lag ({self.weight_update_lag}) needs max_async >= it (now {self.max_async}), "
+                    "or the trainer would wait forever"
+                )
             return self
 
     def __init__(self, config: Config):
