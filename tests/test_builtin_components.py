@@ -2,79 +2,12 @@
 
 import asyncio
 import json
-import math
 
 import pytest
 import torch
 
-from i3core.errors import ConfigError
 from i3core.testing import make_component
-from i3core.types import Completion, LossInputs
-
-
-def icepop_inputs(trainer, inference, advantages, mask, seq, num=None):
-    logp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
-    return logp, LossInputs(
-        trainer_logprobs=logp,
-        inference_logprobs=torch.tensor(inference, dtype=torch.float64),
-        advantages=torch.tensor(advantages, dtype=torch.float64),
-        loss_mask=torch.tensor(mask),
-        sequence_ids=torch.tensor(seq),
-        num_loss_tokens=num,
-    )
-
-
-def test_icepop_masks_outside_the_band_and_keeps_the_bounds(builtins):
-    loss_fn = make_component("loss", "icepop", plugins=builtins)
-    ln = math.log
-    # ratios: 1.0, 0.5 (on the low bound), 5.0 (on the high bound), 0.4 (masked), 6.0 (masked), prompt token
-    trainer = [0.0, ln(0.5), ln(5.0), ln(0.4), ln(6.0), 0.0]
-    logp, inputs = icepop_inputs(
-        trainer, [0.0] * 6, [1.0, 2.0, -1.0, 3.0, 3.0, 9.0], [True] * 5 + [False], [0, 0, 0, 1, 1, 1]
-    )
-    out = loss_fn(inputs)
-    out.loss.backward()
-    n = 5
-    expected = torch.tensor([-1.0 * 1 / n, -0.5 * 2 / n, 5.0 / n, 0.0, 0.0, 0.0], dtype=torch.float64)
-    assert torch.allclose(logp.grad, expected)
-    assert out.loss.item() == pytest.approx(-(1.0 * 1 + 0.5 * 2 + 5.0 * -1) / n)
-    assert out.metrics["loss/masked_low_frac"] == pytest.approx(1 / 5)
-    assert out.metrics["loss/masked_high_frac"] == pytest.approx(1 / 5)
-
-
-def test_icepop_kills_a_sample_below_the_min_ratio(builtins):
-    loss_fn = make_component("loss", "icepop", plugins=builtins, rollout_min_ratio=1e-3)
-    logp, inputs = icepop_inputs(
-        [0.0, math.log(1e-4), 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 1.0, 1.0], [True] * 4, [0, 0, 1, 1]
-    )
-    out = loss_fn(inputs)
-    out.loss.backward()
-    assert torch.allclose(logp.grad, torch.tensor([0.0, 0.0, -0.25, -0.25], dtype=torch.float64))
-    assert out.metrics["loss/masked_sample_frac"] == 0.5
-
-
-def test_icepop_nonfinite_inference_logprob_is_dropped_not_nan(builtins):
-    loss_fn = make_component("loss", "icepop", plugins=builtins)
-    logp, inputs = icepop_inputs([0.0, 0.0, 50.0], [float("nan"), 0.0, -60.0], [1.0, 1.0, 1.0], [True] * 3, [0, 0, 0])
-    out = loss_fn(inputs)
-    out.loss.backward()
-    assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
-    assert torch.allclose(logp.grad, torch.tensor([0.0, -0.5, 0.0], dtype=torch.float64))
-    assert out.metrics["loss/nonfinite_tokens"] == 1.0
-
-
-def test_icepop_uses_the_global_normaliser(builtins):
-    loss_fn = make_component("loss", "icepop", plugins=builtins)
-    logp, inputs = icepop_inputs([0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [True, True], [0, 0], num=8)
-    loss_fn(inputs).loss.backward()
-    assert torch.allclose(logp.grad, torch.full((2,), -1 / 8, dtype=torch.float64))
-
-
-def test_icepop_config_errors(builtins):
-    with pytest.raises(ConfigError, match="mask_low"):
-        make_component("loss", "icepop", plugins=builtins, mask_low=2.0, mask_high=1.0)
-    with pytest.raises(ConfigError, match="unknown key"):
-        make_component("loss", "icepop", plugins=builtins, clip=0.2)
+from i3core.types import Completion
 
 
 def test_adamw_groups_and_steps(builtins):
