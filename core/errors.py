@@ -18,6 +18,19 @@ class ServerError(I3Error):
     """An inference server answered with an error or could not be reached."""
 
 
+class RolloutMasked(I3Error):
+    """A rollout that must not be trained on, for a reason worth counting (a sandbox died mid-rollout, ...).
+
+    An environment raises it from ``rollout``; the orchestrator counts the
+    rollout as masked under ``reason`` and keeps the rest of its group.
+    """
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
 class ConfigError(I3Error):
     """A plugins.toml has problems; ``problems`` holds every one of them."""
 
