@@ -1,14 +1,23 @@
 """The orchestrator role: one asyncio process that keeps rollouts flowing and feeds the trainer.
 
-Per prompt group: pick the next example, send the whole group to the next
-live server (round robin), run ``group_size`` rollouts through the env, fire
-``i3_on_rollout_finished`` and ``i3_on_group_scored``. Finished groups queue
-up; a batch is cut from the first ``batch_size / group_size`` of them once the
-off-policy bound allows, groups older than ``max_off_policy_steps`` are
-dropped whole, advantages are ``R - mean(R_group)``, and the packed batch is
-written for the trainer. A watcher follows the trainer's published versions,
-tells every server to load them (in flight: running sequences continue under
-the new version) and writes each step's metrics.
+Slots: the scheduler says how many rollouts generate at once
+(``rollout_slots``), spread evenly over the live servers. A new prompt group
+goes to the next server in round robin that has room; its ``group_size``
+rollouts take that server's slots as they free up, so a finished rollout's
+slot is refilled at once (the ``async`` scheduler) or only for the next batch
+(``sync``). Each rollout runs through the env; when a group's last rollout is
+back, ``i3_on_group_scored`` may reshape or drop it. A batch is cut from the
+first ``groups_per_batch`` finished groups once the scheduler allows, stale
+groups are dropped whole, advantages are ``R - mean(R_group)``, and the
+packed batch is written for the trainer. A watcher follows the trainer's
+published versions, tells every live server to load them (in flight:
+running sequences continue under the new version) and writes each step's
+metrics.
+
+Client pool: a server that errors or times out is marked down; every rollout
+running on it is cancelled and re-queued on the others (a rollout is trained
+at most once: only a completed attempt counts), and the server is re-probed
+with exponential backoff, brought to the served weights and re-admitted.
 
 Every rollout is in exactly one ledger bucket at every step:
 started = trained + dropped_stale + masked + failed + in_flight.
@@ -17,24 +26,33 @@ started = trained + dropped_stale + masked + failed + in_flight.
 import asyncio
 import itertools
 import json
+import math
 import random
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from i3core.errors import ServerError
+from i3core.errors import I3Error, RolloutMasked, ServerError
 from i3core.events import end_step, group_kept
-from i3core.packing import group_advantages, pack, sample_from_rollout
 from i3core.files import atomic_torch_save
+from i3core.packing import group_advantages, pack, sample_from_rollout
 from i3core.trainer import RunPaths
-from i3core.types import Group
+from i3core.types import Example, Group, Rollout
 
 log = structlog.get_logger("i3core.orchestrator")
 
 TRAINER_POLL_S = 0.02
+PROBE_FIRST_S = 0.5
+"""First re-probe of a server marked down; doubles after every failed probe."""
+PROBE_MAX_S = 8.0
+ALL_DOWN_TIMEOUT_S = 300.0
+"""With every server down this long (none re-admitted), the run fails instead of waiting forever."""
+FILTERED = "group_filtered"
+"""Masked reason of the rollouts of a group that an ``i3_on_group_scored`` plugin dropped."""
 
 
 @dataclass
@@ -44,10 +62,16 @@ class Ledger:
     dropped_stale: int = 0
     masked: int = 0
     failed: int = 0
+    requeued: int = 0
+    masked_reasons: Counter = field(default_factory=Counter)
 
     @property
     def in_flight(self) -> int:
         return self.started - self.trained - self.dropped_stale - self.masked - self.failed
+
+    def mask(self, reason: str, count: int = 1) -> None:
+        self.masked += count
+        self.masked_reasons[reason] += count
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -57,15 +81,44 @@ class Ledger:
             "rollouts/masked": self.masked,
             "rollouts/failed": self.failed,
             "rollouts/in_flight": self.in_flight,
+            "rollouts/requeued": self.requeued,
+            **{f"rollouts/masked/{reason}": n for reason, n in sorted(self.masked_reasons.items())},
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class ClientSlot:
+    """One server's client and what the orchestrator knows about it."""
+
     client: Any
     url: str
     down: bool = False
     errors: int = 0
+    readmitted: int = 0
+    running: int = 0
+    """Rollouts generating on this server now."""
+    assigned: int = 0
+    """``running`` plus rollouts queued for this server."""
+    probe: asyncio.Task | None = None
+
+
+@dataclass(eq=False)
+class OpenGroup:
+    """A prompt group whose rollouts are not all back yet."""
+
+    example: Example
+    slot: ClientSlot
+    outstanding: int
+    rollouts: list[Rollout] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Job:
+    """One rollout of an open group; ``started`` once it first took a slot (re-queues keep it)."""
+
+    group: OpenGroup
+    slot: ClientSlot
+    started: bool = False
 
 
 @dataclass
@@ -78,51 +131,164 @@ class Orchestrator:
     clients: list[ClientSlot]
     sinks: list
     progress: Any = None
+    all_down_timeout_s: float = ALL_DOWN_TIMEOUT_S
     ledger: Ledger = field(default_factory=Ledger)
 
     def __post_init__(self):
         self.paths = RunPaths(self.config.run.out)
         self.max_steps = self.config.run.max_steps
         self.served_version = 0
+        self.step = 1
         self._rr = itertools.count()
         self._batch_metrics: dict[int, dict[str, float]] = {}
-        self._version_event = asyncio.Event()
+        self._pending: deque[Job] = deque()
+        self._running: dict[asyncio.Task, Job] = {}
+        self._requeue_on_cancel: set[asyncio.Task] = set()
+        self._open: set[OpenGroup] = set()
+        self._ready: list[Group] = []
+        self._wake = asyncio.Event()
         self._started = time.perf_counter()
+        self._all_down_since: float | None = None
 
-    # -- rollouts ------------------------------------------------------------
+    # -- the client pool -----------------------------------------------------
 
-    def _next_client(self) -> ClientSlot | None:
-        live = [c for c in self.clients if not c.down]
-        return live[next(self._rr) % len(live)] if live else None
+    def _live(self) -> list[ClientSlot]:
+        return [c for c in self.clients if not c.down]
 
-    async def _run_group(self, example) -> Group:
-        slot = self._next_client()
-        size = self.scheduler.config.group_size
-        self.ledger.started += size
-        if slot is None:
-            self.ledger.failed += size
-            return Group(example, [])
-        results = await asyncio.gather(*(self.env.rollout(slot.client, example) for _ in range(size)),
-                                       return_exceptions=True)
-        rollouts = []
-        for result in results:
-            if isinstance(result, ServerError):
+    def _capacity(self, live: list[ClientSlot]) -> int:
+        return math.ceil(self.scheduler.rollout_slots / len(live))
+
+    def _next_client(self, live: list[ClientSlot], capacity: int) -> ClientSlot | None:
+        """The next live server in round robin with room for more rollouts."""
+        for _ in range(len(self.clients)):
+            slot = self.clients[next(self._rr) % len(self.clients)]
+            if not slot.down and slot.assigned < capacity:
+                return slot
+        return None
+
+    def _mark_down(self, slot: ClientSlot, error: BaseException) -> None:
+        slot.errors += 1
+        if slot.down:
+            return
+        slot.down = True
+        log.warning("inference server marked down", url=slot.url, error=str(error))
+        for task, job in self._running.items():
+            if job.slot is slot and not task.done():
+                self._requeue_on_cancel.add(task)
+                task.cancel()
+        slot.probe = asyncio.create_task(self._probe(slot))
+
+    async def _probe(self, slot: ClientSlot) -> None:
+        """Re-probe a down server with backoff; bring it to the served weights, then re-admit it."""
+        delay = PROBE_FIRST_S
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, PROBE_MAX_S)
+            version = self.served_version
+            try:
+                health = await slot.client.health()
+                if health.get("version") != version:
+                    await slot.client.update_weights(str(self.weight_sync.location(self.paths.broadcasts, version)), version)
+            except ServerError as exc:
+                log.debug("inference server still down", url=slot.url, error=str(exc))
+                continue
+            if version != self.served_version:  # a new version landed meanwhile: load that one first
+                delay = 0.0
+                continue
+            slot.down = False
+            slot.readmitted += 1
+            slot.probe = None
+            log.info("inference server re-admitted", url=slot.url, version=version)
+            self._wake.set()
+            return
+
+    # -- rollouts ---------------------------------------------------------------
+
+    def _fill(self) -> None:
+        """Start queued rollouts where their server has a free slot, then new prompt groups while there is room."""
+        live = self._live()
+        if not live:
+            return
+        capacity = self._capacity(live)
+        for job in list(self._pending):
+            if job.slot.down:
+                job.slot.assigned -= 1
+                job.slot = min(live, key=lambda c: c.assigned)
+                job.slot.assigned += 1
+            if job.slot.running < capacity:
+                self._pending.remove(job)
+                self._start(job)
+        size = self.scheduler.group_size
+        while len(self._running) + len(self._pending) < self.scheduler.rollout_slots and self.scheduler.may_start_group(
+            self.step, self.served_version, len(self._open) + len(self._ready)
+        ):
+            slot = self._next_client(live, capacity)
+            if slot is None:
+                break
+            group = OpenGroup(next(self._examples), slot, outstanding=size)
+            self._open.add(group)
+            for _ in range(size):
+                job = Job(group, slot)
+                slot.assigned += 1
+                if slot.running < capacity:
+                    self._start(job)
+                else:
+                    self._pending.append(job)
+
+    def _start(self, job: Job) -> None:
+        if not job.started:
+            job.started = True
+            self.ledger.started += 1
+        job.slot.running += 1
+        task = asyncio.create_task(self.env.rollout(job.slot.client, job.group.example))
+        task.add_done_callback(lambda _: self._wake.set())
+        self._running[task] = job
+
+    def _collect(self) -> None:
+        """Account every finished rollout task; close groups whose last rollout is back."""
+        for task in [t for t in self._running if t.done()]:
+            job = self._running.pop(task)
+            job.slot.running -= 1
+            requeue = task in self._requeue_on_cancel
+            self._requeue_on_cancel.discard(task)
+            error = None if task.cancelled() else task.exception()
+            if requeue or isinstance(error, ServerError):
+                if error is not None:
+                    self._mark_down(job.slot, error)
+                self.ledger.requeued += 1
+                self._pending.appendleft(job)
+                continue
+            job.slot.assigned -= 1
+            group = job.group
+            group.outstanding -= 1
+            if task.cancelled():  # not by the pool (the env cancelled itself): counted as failed
                 self.ledger.failed += 1
-                slot.errors += 1
-                if not slot.down:
-                    slot.down = True
-                    log.warning("inference server marked down", url=slot.url, error=str(result))
-            elif isinstance(result, Exception):  # the env failed on this rollout: counted, the run goes on
+                log.warning("rollout cancelled", example=group.example.id)
+            elif isinstance(error, RolloutMasked):
+                self.ledger.mask(error.reason)
+                log.info("rollout masked", example=group.example.id, reason=error.reason, detail=error.detail)
+            elif isinstance(error, Exception):  # the env failed on this rollout: counted, the run goes on
                 self.ledger.failed += 1
-                log.warning("rollout failed", example=example.id, error=f"{type(result).__name__}: {result}")
-            elif isinstance(result, BaseException):
-                raise result
+                log.warning("rollout failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
+            elif error is not None:
+                raise error
             else:
-                self.plugins.hook.i3_on_rollout_finished(rollout=result)
-                rollouts.append(result)
-        return Group(example, rollouts)
+                rollout = task.result()
+                self.plugins.hook.i3_on_rollout_finished(rollout=rollout)
+                group.rollouts.append(rollout)
+            if group.outstanding == 0:
+                self._open.discard(group)
+                self._close_group(Group(group.example, group.rollouts))
 
-    def _examples(self):
+    def _close_group(self, group: Group) -> None:
+        if not group.rollouts:
+            return
+        if group_kept(self.plugins.hook, group):
+            self._ready.append(group)
+        else:
+            self.ledger.mask(FILTERED, len(group.rollouts))
+
+    def _example_stream(self):
         examples = list(self.env.examples())
         rng = random.Random(self.config.run.seed)
         while True:
@@ -131,12 +297,12 @@ class Orchestrator:
 
     # -- batches ---------------------------------------------------------------
 
-    def _cut_batch(self, step: int, ready: list[Group]) -> bool:
-        """Cut the batch of ``step`` from ``ready`` (dropping stale groups); False if too few are left."""
+    def _cut_batch(self, step: int) -> bool:
+        """Cut the batch of ``step`` from the finished groups (dropping stale ones); False if too few are left."""
+        ready = self._ready
         fresh = []
         for group in ready:
-            oldest = min(r.oldest_version for r in group.rollouts)
-            if self.scheduler.is_stale(oldest, step):
+            if self.scheduler.is_stale(min(r.oldest_version for r in group.rollouts), step):
                 self.ledger.dropped_stale += len(group.rollouts)
             else:
                 fresh.append(group)
@@ -153,16 +319,7 @@ class Orchestrator:
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
         atomic_torch_save(batch, self.paths.batch(step))
         self.ledger.trained += len(rollouts)
-        rewards = [r.reward for r in rollouts]
-        staleness = [(step - 1) - r.oldest_version for r in rollouts]
-        self._batch_metrics[step] = {
-            "reward/mean": sum(rewards) / len(rewards),
-            "reward/max": max(rewards),
-            "reward/min": min(rewards),
-            "off_policy/mean_steps": sum(staleness) / len(staleness),
-            "off_policy/max_steps": max(staleness),
-            "completion/mean_tokens": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
-        }
+        self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
         return True
 
     # -- trainer watch -----------------------------------------------------------
@@ -175,12 +332,13 @@ class Orchestrator:
                 await asyncio.sleep(TRAINER_POLL_S)
                 continue
             trainer_metrics = json.loads(metrics_path.read_text())
-            served = step - self.scheduler.config.weight_update_lag
+            served = step - self.scheduler.weight_update_lag
             if served > self.served_version:
                 await self._update_servers(self.weight_sync.location(self.paths.broadcasts, served), served)
             metrics = {**self._batch_metrics.pop(step, {}), **trainer_metrics, **self.ledger.metrics()}
             metrics["weights/version"] = step
             metrics["weights/served_version"] = self.served_version
+            metrics["servers/live"] = len(self._live())
             metrics["time/elapsed_s"] = time.perf_counter() - self._started
             end_step(self.plugins.hook, self.sinks, step, metrics)
             if self.progress is not None:
@@ -188,49 +346,69 @@ class Orchestrator:
             step += 1
 
     async def _update_servers(self, weights: Path, version: int) -> None:
-        live = [c for c in self.clients if not c.down]
+        live = self._live()
         results = await asyncio.gather(*(c.client.update_weights(str(weights), version) for c in live),
                                        return_exceptions=True)
         for slot, result in zip(live, results):
             if isinstance(result, BaseException):
-                slot.down = True
-                log.warning("inference server marked down", url=slot.url, error=str(result))
+                self._mark_down(slot, result)
         self.served_version = version
-        self._version_event.set()
+        self._wake.set()
         self.plugins.hook.i3_on_weights_updated(version=version)
 
     # -- main loop -----------------------------------------------------------------
 
     async def run(self) -> None:
-        examples = self._examples()
+        self._examples = self._example_stream()
         watcher = asyncio.create_task(self._watch_trainer())
-        running: set[asyncio.Task] = set()
-        ready: list[Group] = []
-        step = 1
+        watcher.add_done_callback(lambda _: self._wake.set())
         try:
-            while step <= self.max_steps:
+            while self.step <= self.max_steps:
                 if watcher.done():
                     watcher.result()  # re-raise a failure of the watcher
-                while len(running) < self.scheduler.groups_inflight:
-                    running.add(asyncio.create_task(self._run_group(next(examples))))
-                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
-                for task in done:
-                    group = task.result()
-                    if not group.rollouts:
-                        continue
-                    if group_kept(self.plugins.hook, group):
-                        ready.append(group)
-                    else:
-                        self.ledger.masked += len(group.rollouts)
-                if not any(not c.down for c in self.clients):
-                    raise RuntimeError("every inference server is down")
-                while step <= self.max_steps and step - 1 - self.served_version <= self.scheduler.config.max_async:
-                    if not self._cut_batch(step, ready):
+                self._collect()
+                while self.step <= self.max_steps and self.scheduler.may_cut(self.step, self.served_version):
+                    if not self._cut_batch(self.step):
                         break
-                    step += 1
+                    self.step += 1
+                self._fill()
+                self._check_servers()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                except TimeoutError:
+                    pass
             await watcher
         finally:
             watcher.cancel()
-            for task in running:
+            tasks = [*self._running, *(c.probe for c in self.clients if c.probe is not None)]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(watcher, *tasks, return_exceptions=True)
+
+    def _check_servers(self) -> None:
+        if self._live():
+            self._all_down_since = None
+            return
+        now = time.monotonic()
+        if self._all_down_since is None:
+            self._all_down_since = now
+            log.warning("every inference server is down; waiting for one to come back")
+        elif now - self._all_down_since > self.all_down_timeout_s:
+            raise I3Error(f"every inference server has been down for {self.all_down_timeout_s:.0f}s")
+
+
+def _batch_metrics(rollouts: list[Rollout], trained_version: int) -> dict[str, float]:
+    """Reward, staleness (per rollout: its oldest token) and a histogram of trained tokens' off-policy steps."""
+    rewards = [r.reward for r in rollouts]
+    staleness = [trained_version - r.oldest_version for r in rollouts]
+    tokens = Counter(trained_version - v for r in rollouts for v in r.completion_versions)
+    return {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "off_policy/mean_steps": sum(staleness) / len(staleness),
+        "off_policy/max_steps": max(staleness),
+        **{f"off_policy/tokens_at_{k}": n for k, n in sorted(tokens.items())},
+        "completion/mean_tokens": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
+    }

@@ -41,6 +41,25 @@ class Environment(Protocol):
 
 
 @runtime_checkable
+class Scheduler(Protocol):
+    """What the orchestrator asks its scheduler; ``step`` is the next batch to cut."""
+
+    group_size: int
+    groups_per_batch: int
+    rollout_slots: int
+    weight_update_lag: int
+
+    def may_start_group(self, step: int, served_version: int, open_groups: int) -> bool:
+        """Whether a new prompt group may start now (``open_groups``: started, not yet trained or dropped)."""
+
+    def may_cut(self, step: int, served_version: int) -> bool:
+        """Whether the batch of ``step`` may be handed to the trainer while the servers hold ``served_version``."""
+
+    def is_stale(self, oldest_version: int, step: int) -> bool:
+        """Whether a group whose oldest token is ``oldest_version`` is dropped instead of trained at ``step``."""
+
+
+@runtime_checkable
 class MetricSink(Protocol):
     def open(self, output_dir: Path) -> None:
         """Start writing under the run's output directory."""

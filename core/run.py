@@ -135,7 +135,7 @@ def train(run: Run) -> None:
     source = run.components["inference"]
     try:
         sync = run.components["weight_sync"]
-        lag = run.components["scheduler"].config.weight_update_lag
+        lag = run.components["scheduler"].weight_update_lag
         keep = getattr(sync.config, "keep", None)
         if keep is not None and keep <= lag:
             raise I3Error(f"weight_sync.keep ({keep}) must exceed scheduler.weight_update_lag ({lag}): "
