@@ -94,7 +94,6 @@ class ClientSlot:
     url: str
     down: bool = False
     errors: int = 0
-    readmitted: int = 0
     running: int = 0
     """Rollouts generating on this server now."""
     assigned: int = 0
@@ -149,6 +148,7 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self._started = time.perf_counter()
         self._all_down_since: float | None = None
+        self._examples = self._example_stream()
 
     # -- the client pool -----------------------------------------------------
 
@@ -158,7 +158,7 @@ class Orchestrator:
     def _capacity(self, live: list[ClientSlot]) -> int:
         return math.ceil(self.scheduler.rollout_slots / len(live))
 
-    def _next_client(self, live: list[ClientSlot], capacity: int) -> ClientSlot | None:
+    def _next_client(self, capacity: int) -> ClientSlot | None:
         """The next live server in round robin with room for more rollouts."""
         for _ in range(len(self.clients)):
             slot = self.clients[next(self._rr) % len(self.clients)]
@@ -196,7 +196,6 @@ class Orchestrator:
                 delay = 0.0
                 continue
             slot.down = False
-            slot.readmitted += 1
             slot.probe = None
             log.info("inference server re-admitted", url=slot.url, version=version)
             self._wake.set()
@@ -222,7 +221,7 @@ class Orchestrator:
         while len(self._running) + len(self._pending) < self.scheduler.rollout_slots and self.scheduler.may_start_group(
             self.step, self.served_version, len(self._open) + len(self._ready)
         ):
-            slot = self._next_client(live, capacity)
+            slot = self._next_client(capacity)
             if slot is None:
                 break
             group = OpenGroup(next(self._examples), slot, outstanding=size)
@@ -359,7 +358,6 @@ class Orchestrator:
     # -- main loop -----------------------------------------------------------------
 
     async def run(self) -> None:
-        self._examples = self._example_stream()
         watcher = asyncio.create_task(self._watch_trainer())
         watcher.add_done_callback(lambda _: self._wake.set())
         try:
