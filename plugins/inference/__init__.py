@@ -2,8 +2,10 @@
 
 from i3core import hookimpl
 from i3core.plugins.inference.builtin import BuiltinSource
+from i3core.plugins.inference.simulated import SimulatedSource
 
 
 @hookimpl
 def i3_register_rollout_sources(register):
     register("builtin", BuiltinSource)
+    register("simulated", SimulatedSource)

@@ -21,22 +21,35 @@ STARTUP_TIMEOUT_S = 120.0
 HEALTH_POLL_S = 0.2
 
 
-class BuiltinSource:
-    """Start ``servers`` builtin inference servers and hand out one client per server."""
+class ServerConfig(BaseModel):
+    """What every source of local server processes takes."""
 
-    class Config(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid")
 
-        servers: int = Field(2, ge=1, le=64, description="Independent server processes.")
-        max_slots: int = Field(64, ge=1, description="Sequences each server decodes together.")
-        max_len: int = Field(256, ge=8, description="Longest prompt + completion, in tokens.")
-        threads: int = Field(1, ge=1, description="torch CPU threads per server.")
-        host: str = Field("127.0.0.1", description="Address the servers listen on (loopback only by default).")
+    servers: int = Field(2, ge=1, le=64, description="Independent server processes.")
+    max_slots: int = Field(64, ge=1, description="Sequences each server decodes together.")
+    max_len: int = Field(256, ge=8, description="Longest prompt + completion, in tokens.")
+    host: str = Field("127.0.0.1", description="Address the servers listen on (loopback only by default).")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A completion not back by then marks its server down (its rollouts are re-queued)."
+    )
 
-    def __init__(self, config: Config):
+
+class ServerProcesses:
+    """Start ``servers`` server processes on 127.0.0.1 and hand out one client per server.
+
+    Subclasses say which command starts server ``i`` (:meth:`command`).
+    """
+
+    Config = ServerConfig
+
+    def __init__(self, config: ServerConfig):
         self.config = config
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
+
+    def command(self, index: int, port: int, model_dir: Path, version: int) -> list[str]:
+        raise NotImplementedError
 
     def start(self, model_dir: Path, log_dir: Path, version: int = 0) -> list[str]:
         """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy."""
@@ -44,12 +57,7 @@ class BuiltinSource:
         for i in range(self.config.servers):
             port = _free_port(self.config.host)
             log = open(log_dir / f"inference-{i}.log", "ab")
-            cmd = [
-                sys.executable, "-m", "i3core.plugins.inference.server",
-                "--model-dir", str(model_dir), "--host", self.config.host, "--port", str(port),
-                "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
-                "--threads", str(self.config.threads), "--version", str(version),
-            ]  # fmt: skip
+            cmd = self.command(i, port, model_dir, version)
             self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://{self.config.host}:{port}")
         asyncio.run(self._wait_healthy(log_dir))
@@ -75,7 +83,7 @@ class BuiltinSource:
 
     def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> InferenceClient:
         """The orchestrator's client for the server at ``url``."""
-        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids)
+        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, timeout_s=self.config.request_timeout_s)
 
     def close(self) -> None:
         for proc in self.processes:
@@ -88,6 +96,21 @@ class BuiltinSource:
                 proc.kill()
                 proc.wait()
         self.processes.clear()
+
+
+class BuiltinSource(ServerProcesses):
+    """Rollout source ``builtin``: tiny-moe builtin inference servers."""
+
+    class Config(ServerConfig):
+        threads: int = Field(1, ge=1, description="torch CPU threads per server.")
+
+    def command(self, index: int, port: int, model_dir: Path, version: int) -> list[str]:
+        return [
+            sys.executable, "-m", "i3core.plugins.inference.server",
+            "--model-dir", str(model_dir), "--host", self.config.host, "--port", str(port),
+            "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
+            "--threads", str(self.config.threads), "--version", str(version),
+        ]  # fmt: skip
 
 
 def _free_port(host: str) -> int:

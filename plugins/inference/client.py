@@ -9,13 +9,15 @@ import aiohttp
 from i3core.errors import ServerError
 from i3core.types import Completion
 
-REQUEST_TIMEOUT_S = 600
-"""A generation may wait behind a full batch; the bound only catches a dead server."""
+REQUEST_TIMEOUT_S = 600.0
+"""A generation may wait behind a full batch; the default bound only catches a dead server."""
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None):
+    def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None,
+                 timeout_s: float = REQUEST_TIMEOUT_S):
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self._session: aiohttp.ClientSession | None = None
@@ -25,7 +27,7 @@ class InferenceClient:
 
     async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
             async with self._session.request(method, self.base_url + path, json=body) as response:
                 data = await response.json(content_type=None)

@@ -11,10 +11,14 @@ generated token records the policy version that sampled it.
 """
 
 import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from i3core.plugins.models.tiny_moe.hf import load_hf_tensors
 from i3core.plugins.models.tiny_moe.modeling import KVCache, TinyMoEModel
 
 
@@ -48,13 +52,17 @@ class Sequence:
         return len(self.request.prompt_ids) + len(self.token_ids)
 
 
-class Engine:
-    """Synchronous core: :meth:`add` requests, call :meth:`step` until they finish."""
+class EngineBase(ABC):
+    """What every engine behind :class:`~i3core.plugins.inference.server.Server` shares.
 
-    def __init__(self, model: TinyMoEModel, *, max_slots: int = 32, max_len: int = 512, version: int = 0):
-        self.model = model.eval()
-        self.max_slots, self.max_len = max_slots, max_len
-        self.cache = KVCache(model.cfg, max_slots, max_len, dtype=next(model.parameters()).dtype)
+    A FIFO ``waiting`` queue, up to ``max_slots`` ``running`` sequences, request
+    validation, aborts and the finish rule. Subclasses define :meth:`step`,
+    :meth:`stage` (read and check new weights, off the engine task) and
+    :meth:`load_state` (swap them in between two steps).
+    """
+
+    def __init__(self, *, max_slots: int, max_len: int, vocab_size: int, version: int):
+        self.max_slots, self.max_len, self.vocab_size = max_slots, max_len, vocab_size
         self.version = version
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
@@ -86,6 +94,52 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @abstractmethod
+    def step(self) -> list[Sequence]:
+        """Admit waiting sequences to free slots, then generate one token for every running one.
+
+        :return: the sequences that finished in this step.
+        """
+
+    @abstractmethod
+    def stage(self, path: Path):
+        """Read and validate the weights under ``path``; what :meth:`load_state` takes.
+
+        :raises ValueError: missing or mismatched weights (the live engine is untouched).
+        """
+
+    @abstractmethod
+    def load_state(self, state, version: int) -> None:
+        """Swap in what :meth:`stage` returned, between two steps; running sequences continue under ``version``."""
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (a client went away)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif self.running.pop(seq.id, None) is not None:
+            self._free.append(seq.slot)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def _maybe_finish(self, seq: Sequence) -> bool:
+        if seq.token_ids[-1] in seq.request.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= seq.request.max_tokens or seq.length >= self.max_len:
+            seq.finish_reason = "length"
+        else:
+            return False
+        if seq.slot >= 0:
+            self._free.append(seq.slot)
+        return True
+
+
+class Engine(EngineBase):
+    """The tiny-moe engine: :meth:`add` requests, call :meth:`step` until they finish."""
+
+    def __init__(self, model: TinyMoEModel, *, max_slots: int = 32, max_len: int = 512, version: int = 0):
+        super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version)
+        self.model = model.eval()
+        self.cache = KVCache(model.cfg, max_slots, max_len, dtype=next(model.parameters()).dtype)
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -119,13 +173,14 @@ class Engine:
         self.steps += 1
         return finished
 
-    def abort(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is (a client went away)."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif self.running.pop(seq.id, None) is not None:
-            self._free.append(seq.slot)
-        seq.finish_reason = seq.finish_reason or "abort"
+    def stage(self, path: Path) -> dict[str, torch.Tensor]:
+        """Load ``path/model.safetensors`` into a fresh model of this shape: every name and shape is checked."""
+        weights = Path(path) / "model.safetensors"
+        if not weights.is_file():
+            raise ValueError(f"no model.safetensors under {path}")
+        staged = TinyMoEModel(self.model.cfg, self.model.vocab_size)
+        load_hf_tensors(staged, load_file(str(weights)))
+        return staged.state_dict()
 
     @torch.no_grad()
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -146,14 +201,3 @@ class Engine:
             seq.token_ids.append(token)
             seq.logprobs.append(float(logprobs[token]))
             seq.versions.append(self.version)
-
-    def _maybe_finish(self, seq: Sequence) -> bool:
-        if seq.token_ids[-1] in seq.request.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.token_ids) >= seq.request.max_tokens or seq.length >= self.max_len:
-            seq.finish_reason = "length"
-        else:
-            return False
-        if seq.slot >= 0:
-            self._free.append(seq.slot)
-        return True

@@ -1,8 +1,12 @@
-"""The builtin inference server: an OpenAI-compatible HTTP API over :class:`Engine`, one process.
+"""The builtin inference server: an OpenAI-compatible HTTP API over an engine, one process.
+
+The engine is :class:`Engine` (the tiny-moe model) here, or the simulated one
+of :mod:`~i3core.plugins.inference.simulated`; both serve the same API.
 
 Endpoints: ``POST /v1/completions`` (token-id or text prompts; returns token ids,
 per-token logprobs and the policy version of every token), ``POST
-/v1/chat/completions``, ``GET /health``, ``GET /metrics``, ``POST
+/v1/chat/completions``, ``GET /health``, ``GET /metrics`` (counters, ``busy_slot_s`` and ``uptime_s``
+for slot utilisation), ``POST
 /update_weights`` (``{"path": dir, "version": n}``: an HF directory written by
 ``save_hf`` or the filesystem weight sync), ``POST /pause``, ``POST /resume``.
 
@@ -10,7 +14,8 @@ Everything that touches the engine runs in one task between decode steps, so
 requests join, weights swap and pauses take effect only between two steps.
 A malformed request gets a 4xx with a message; the server keeps serving.
 
-Run: ``python -m i3core.plugins.inference.server --model-dir DIR --port 8000``.
+Run: ``python -m i3core.plugins.inference.server --model-dir DIR --port 8000`` (add
+``--engine simulated --timing JSON`` for the simulated engine).
 """
 
 import argparse
@@ -21,11 +26,9 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
-from safetensors.torch import load_file
 
-from i3core.plugins.inference.engine import Engine, Request, Sequence
+from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.models.tiny_moe import TinyMoE
-from i3core.plugins.models.tiny_moe.hf import load_hf_tensors
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
 
 MAX_N = 64
@@ -37,12 +40,12 @@ class BadRequest(ValueError):
 
 
 class Server:
-    def __init__(self, model_dir: Path, *, max_slots: int, max_len: int, version: int):
-        component = TinyMoE(TinyMoE.Config())
-        self.model = component.load_hf(model_dir)
-        self.tokenizer = build_tokenizer()
-        self.engine = Engine(self.model, max_slots=max_slots, max_len=max_len, version=version)
-        self.model_name = str(model_dir)
+    """The HTTP API over any :class:`EngineBase`; :func:`builtin_server` puts the tiny-moe engine behind it."""
+
+    def __init__(self, engine: EngineBase, tokenizer, model_name: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
         self._adds: list[tuple[Sequence, asyncio.Future]] = []
         self._aborts: list[Sequence] = []
         self._futures: dict[int, asyncio.Future] = {}
@@ -51,6 +54,8 @@ class Server:
         self._paused = False
         self.tokens_generated = 0
         self.requests_served = 0
+        self.busy_slot_s = 0.0
+        """Slot-seconds spent generating: each step's wall time times the sequences it decoded."""
         self.started = time.time()
 
     # -- the engine task ---------------------------------------------------
@@ -62,7 +67,9 @@ class Server:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            start = time.perf_counter()
             finished = await asyncio.to_thread(self.engine.step)
+            self.busy_slot_s += (time.perf_counter() - start) * (len(self.engine.running) + len(finished))
             for seq in finished:
                 self.tokens_generated += len(seq.token_ids)
                 future = self._futures.pop(seq.id, None)
@@ -107,8 +114,8 @@ class Server:
             prompt_ids = prompt
         else:
             raise BadRequest("prompt must be a string or a non-empty list of token ids")
-        if any(not 0 <= t < self.model.vocab_size for t in prompt_ids):
-            raise BadRequest(f"prompt token ids must be in [0, {self.model.vocab_size})")
+        if any(not 0 <= t < self.engine.vocab_size for t in prompt_ids):
+            raise BadRequest(f"prompt token ids must be in [0, {self.engine.vocab_size})")
         seqs = await self._generate_n(body, prompt_ids)
         choices = [
             {
@@ -202,6 +209,7 @@ class Server:
                 "steps": engine.steps,
                 "tokens_generated": self.tokens_generated,
                 "requests_served": self.requests_served,
+                "busy_slot_s": self.busy_slot_s,
                 "uptime_s": time.time() - self.started,
             }
         )
@@ -211,17 +219,12 @@ class Server:
         path, version = body.get("path"), body.get("version")
         if not isinstance(path, str) or not isinstance(version, int):
             raise BadRequest("update_weights needs a string path and an integer version")
-        weights = Path(path) / "model.safetensors"
-        if not weights.is_file():
-            raise BadRequest(f"no model.safetensors under {path}")
-        tensors = await asyncio.to_thread(load_file, str(weights))
-        staged = TinyMoE(TinyMoE.Config(**_model_fields(self.model))).build()
-        try:
-            load_hf_tensors(staged, tensors)  # validates every name and shape before the live model is touched
+        try:  # every name and shape is checked before the live engine is touched
+            state = await asyncio.to_thread(self.engine.stage, Path(path))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         done = asyncio.get_running_loop().create_future()
-        self._update = (staged.state_dict(), version, done)
+        self._update = (state, version, done)
         self._wake.set()
         await done
         return web.json_response({"status": "ok", "version": version})
@@ -236,8 +239,11 @@ class Server:
         return web.json_response({"status": "running", "version": self.engine.version})
 
 
-def _model_fields(model) -> dict:
-    return {k: v for k, v in model.cfg.model_dump().items() if k != "init_from"}
+def builtin_server(model_dir: Path, *, max_slots: int, max_len: int, version: int) -> Server:
+    """The tiny-moe engine on the weights of the HF directory ``model_dir``."""
+    model = TinyMoE(TinyMoE.Config()).load_hf(model_dir)
+    engine = Engine(model, max_slots=max_slots, max_len=max_len, version=version)
+    return Server(engine, build_tokenizer(), str(model_dir))
 
 
 def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
@@ -297,9 +303,18 @@ def main(argv=None) -> None:
     parser.add_argument("--max-len", type=int, default=512, help="longest prompt + completion in tokens")
     parser.add_argument("--version", type=int, default=0, help="policy version of the initial weights")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--engine", choices=("tiny-moe", "simulated"), default="tiny-moe", help="what generates")
+    parser.add_argument("--timing", default="{}", help="simulated engine: TimingModel fields as JSON")
+    parser.add_argument("--index", type=int, default=0, help="simulated engine: offsets its sampling seed")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    server = Server(args.model_dir, max_slots=args.max_slots, max_len=args.max_len, version=args.version)
+    if args.engine == "simulated":
+        from i3core.plugins.inference.simulated import TimingModel, simulated_server
+
+        server = simulated_server(args.model_dir, TimingModel.model_validate_json(args.timing), max_slots=args.max_slots,
+                                  max_len=args.max_len, version=args.version, index=args.index)
+    else:
+        server = builtin_server(args.model_dir, max_slots=args.max_slots, max_len=args.max_len, version=args.version)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None, access_log=None)
 
 
