@@ -65,22 +65,22 @@ class Ledger:
     requeued: int = 0
     masked_reasons: Counter = field(default_factory=Counter)
 
-    @property
-    def in_flight(self) -> int:
-        return self.started - self.trained - self.dropped_stale - self.masked - self.failed
+    def unaccounted(self, in_flight: int) -> int:
+        """Started rollouts in no bucket (0 unless the accounting is broken); ``in_flight`` is counted, not derived."""
+        return self.started - self.trained - self.dropped_stale - self.masked - self.failed - in_flight
 
     def mask(self, reason: str, count: int = 1) -> None:
         self.masked += count
         self.masked_reasons[reason] += count
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, in_flight: int) -> dict[str, float]:
         return {
             "rollouts/started": self.started,
             "rollouts/trained": self.trained,
             "rollouts/dropped_stale": self.dropped_stale,
             "rollouts/masked": self.masked,
             "rollouts/failed": self.failed,
-            "rollouts/in_flight": self.in_flight,
+            "rollouts/in_flight": in_flight,
             "rollouts/requeued": self.requeued,
             **{f"rollouts/masked/{reason}": n for reason, n in sorted(self.masked_reasons.items())},
         }
@@ -287,6 +287,13 @@ class Orchestrator:
         else:
             self.ledger.mask(FILTERED, len(group.rollouts))
 
+    def _in_flight(self) -> int:
+        """Started rollouts not yet trained, dropped, masked or failed, counted where they are."""
+        running = len(self._running)
+        requeued = sum(1 for job in self._pending if job.started)
+        finished = sum(len(g.rollouts) for g in self._open) + sum(len(g.rollouts) for g in self._ready)
+        return running + requeued + finished
+
     def _example_stream(self):
         examples = list(self.env.examples())
         rng = random.Random(self.config.run.seed)
@@ -334,7 +341,10 @@ class Orchestrator:
             served = step - self.scheduler.weight_update_lag
             if served > self.served_version:
                 await self._update_servers(self.weight_sync.location(self.paths.broadcasts, served), served)
-            metrics = {**self._batch_metrics.pop(step, {}), **trainer_metrics, **self.ledger.metrics()}
+            in_flight = self._in_flight()
+            if unaccounted := self.ledger.unaccounted(in_flight):
+                log.error("rollout ledger does not add up", step=step, unaccounted=unaccounted)
+            metrics = {**self._batch_metrics.pop(step, {}), **trainer_metrics, **self.ledger.metrics(in_flight)}
             metrics["weights/version"] = step
             metrics["weights/served_version"] = self.served_version
             metrics["servers/live"] = len(self._live())
