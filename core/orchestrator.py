@@ -395,6 +395,9 @@ class Orchestrator:
             await asyncio.gather(watcher, *tasks, return_exceptions=True)
 
     def _check_servers(self) -> None:
+        for slot in self.clients:
+            if slot.probe is not None and slot.probe.done() and not slot.probe.cancelled():
+                slot.probe.result()  # a probe that died of something else than a server error: raise it
         if self._live():
             self._all_down_since = None
             return

@@ -20,6 +20,9 @@ from .test_end_to_end import LEDGER, read_metrics, server_pids
 
 pytestmark = pytest.mark.slow
 
+STEPS = 80
+"""Enough steps after the hung server answers again for its re-probe (backoff up to 8 s) to let it back in."""
+
 BASE = """
 [run]
 output_dir = "{out}"
@@ -104,7 +107,7 @@ def test_sync_trains_every_batch_on_the_weights_that_generated_it(tmp_path):
 def test_ledger_holds_under_forced_staleness_and_a_server_that_hangs_and_comes_back(tmp_path):
     scheduler = ('use = "async"\ngroup_size = 4\nbatch_size = 16\ninflight = 32\n'
                  "max_async = 2\nweight_update_lag = 1\nmax_off_policy_steps = 1")  # fmt: skip
-    out, proc = start(tmp_path, 24, scheduler, timeout=2.0)
+    out, proc = start(tmp_path, STEPS, scheduler, timeout=2.0)
     try:
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
@@ -119,14 +122,14 @@ def test_ledger_holds_under_forced_staleness_and_a_server_that_hangs_and_comes_b
             proc.communicate()
     assert proc.returncode == 0, stderr[-2000:]
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert_ledger(rows)
     last = rows[-1]
     assert last["rollouts/dropped_stale"] > 0  # forced staleness dropped whole groups ...
-    assert last["rollouts/trained"] >= 24 * 16  # ... and every step still got a batch
+    assert last["rollouts/trained"] >= STEPS * 16  # ... and every step still got a batch
     assert last["rollouts/requeued"] > 0 and last["rollouts/failed"] == 0
     assert all(r["off_policy/max_steps"] <= 1 for r in rows)
     assert "inference server marked down" in stderr
-    assert "inference server re-admitted" in stderr
+    assert "inference server re-admitted" in stderr, stderr[-3000:]
     assert min(r["servers/live"] for r in rows) == 1 and last["servers/live"] == 2
     assert "Traceback" not in stderr

@@ -35,7 +35,7 @@ class InferenceClient:
                     message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
                     raise ServerError(f"{self.base_url}{path}: {response.status} {message}")
                 return data
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON
             raise ServerError(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
 
     async def complete(self, prompt: str, *, max_tokens: int, temperature: float, seed: int | None = None) -> Completion:

@@ -309,10 +309,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.engine == "simulated":
-        from i3core.plugins.inference.simulated import TimingModel, simulated_server
+        from i3core.plugins.inference.simulated import TimingModel, simulated_engine
 
-        server = simulated_server(args.model_dir, TimingModel.model_validate_json(args.timing), max_slots=args.max_slots,
+        engine = simulated_engine(args.model_dir, TimingModel.model_validate_json(args.timing), max_slots=args.max_slots,
                                   max_len=args.max_len, version=args.version, index=args.index)
+        server = Server(engine, build_tokenizer(), f"simulated:{args.model_dir}")
     else:
         server = builtin_server(args.model_dir, max_slots=args.max_slots, max_len=args.max_len, version=args.version)
     web.run_app(make_app(server), host=args.host, port=args.port, print=None, access_log=None)

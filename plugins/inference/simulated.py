@@ -30,7 +30,6 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,9 +38,6 @@ from safetensors import SafetensorError, safe_open
 from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses
 from i3core.plugins.inference.engine import EngineBase, Sequence
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
-
-if TYPE_CHECKING:
-    from i3core.plugins.inference.server import Server
 
 MAX_LENGTH_DRAWS = 100
 """Rejection sampling of the truncated length distribution gives up (and clips) after this many draws."""
@@ -193,13 +189,9 @@ class SimulatedSource(ServerProcesses):
         ]  # fmt: skip
 
 
-def simulated_server(model_dir: Path, timing: TimingModel, *, max_slots: int, max_len: int, version: int,
-                     index: int = 0) -> "Server":
-    """A server whose engine is :class:`SimEngine`, with the vocabulary of the model under ``model_dir``."""
-    from i3core.plugins.inference.server import Server  # not at import time: the server module runs as __main__
-
+def simulated_engine(model_dir: Path, timing: TimingModel, *, max_slots: int, max_len: int, version: int,
+                     index: int = 0) -> SimEngine:
+    """A :class:`SimEngine` with the vocabulary of the model under ``model_dir`` (its ``config.json``)."""
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    tokenizer = build_tokenizer()
-    engine = SimEngine(timing, vocab_size=vocab_size, sample_vocab=tokenizer.get_vocab_size(), max_slots=max_slots,
-                       max_len=max_len, version=version, index=index)
-    return Server(engine, tokenizer, f"simulated:{model_dir}")
+    return SimEngine(timing, vocab_size=vocab_size, sample_vocab=build_tokenizer().get_vocab_size(),
+                     max_slots=max_slots, max_len=max_len, version=version, index=index)
