@@ -132,22 +132,30 @@ class SimEngine(EngineBase):
         temperature = torch.tensor([s.request.temperature or 1.0 for s in seqs])[:, None]
         full = torch.log_softmax(rows / temperature, dim=-1)
         masked = rows.clone()
+        by_stops: dict[tuple[int, ...], list[int]] = {}
         for i, seq in enumerate(seqs):
-            stops = [t for t in seq.request.stop_token_ids if t < self.sample_vocab]
-            masked[i, stops] = -math.inf
+            by_stops.setdefault(seq.request.stop_token_ids, []).append(i)
+        for stops, index in by_stops.items():  # one masking per distinct stop set (usually one per step)
+            kept = [t for t in stops if t < self.sample_vocab]
+            if kept:
+                masked[torch.tensor(index)[:, None], torch.tensor(kept)[None, :]] = -math.inf
         masked = torch.log_softmax(masked / temperature, dim=-1)
         greedy = torch.tensor([s.request.temperature == 0 for s in seqs])
-        tokens = torch.where(greedy, masked.argmax(-1), torch.multinomial(masked.exp(), 1, generator=self._gen)[:, 0])
+        cdf = masked.exp().cumsum(-1)  # inverse-CDF sampling: torch.multinomial costs ~7 ms for a 64-row batch
+        draws = torch.rand(len(seqs), 1, generator=self._gen) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, draws)[:, 0].clamp_max(self.sample_vocab - 1)
+        tokens = torch.where(greedy, masked.argmax(-1), drawn)
+        sampled = masked.gather(1, tokens[:, None])[:, 0].tolist()
+        tokens = tokens.tolist()
         for i, seq in enumerate(seqs):
             ends = len(seq.token_ids) + 1 >= self._targets[seq.id]
             if ends and seq.request.stop_token_ids:  # the length model says stop: emit the first stop token
                 token = seq.request.stop_token_ids[0]
-                logprob = float(full[i, token]) if token < self.sample_vocab else 0.0
+                seq.token_ids.append(token)
+                seq.logprobs.append(float(full[i, token]) if token < self.sample_vocab else 0.0)
             else:
-                token = int(tokens[i])
-                logprob = float(masked[i, token])
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
+                seq.token_ids.append(tokens[i])
+                seq.logprobs.append(sampled[i])
             seq.versions.append(self.version)
 
     def abort(self, seq: Sequence) -> None:
