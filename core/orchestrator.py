@@ -31,7 +31,6 @@ import random
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -188,7 +187,7 @@ class Orchestrator:
             try:
                 health = await slot.client.health()
                 if health.get("version") != version:
-                    await slot.client.update_weights(str(self.weight_sync.location(self.paths.broadcasts, version)), version)
+                    await slot.client.update_weights(self._weights_path(version), version)
             except ServerError as exc:
                 log.debug("inference server still down", url=slot.url, error=str(exc))
                 continue
@@ -340,7 +339,7 @@ class Orchestrator:
             trainer_metrics = json.loads(metrics_path.read_text())
             served = step - self.scheduler.weight_update_lag
             if served > self.served_version:
-                await self._update_servers(self.weight_sync.location(self.paths.broadcasts, served), served)
+                await self._update_servers(served)
             in_flight = self._in_flight()
             if unaccounted := self.ledger.unaccounted(in_flight):
                 log.error("rollout ledger does not add up", step=step, unaccounted=unaccounted)
@@ -354,9 +353,15 @@ class Orchestrator:
                 self.progress(step, metrics)
             step += 1
 
-    async def _update_servers(self, weights: Path, version: int) -> None:
+    def _weights_path(self, version: int) -> str | None:
+        """Where a server loads ``version`` from; None when the weight sync delivers it (broadcast)."""
+        location = self.weight_sync.location(self.paths.broadcasts, version)
+        return None if location is None else str(location)
+
+    async def _update_servers(self, version: int) -> None:
         live = self._live()
-        results = await asyncio.gather(*(c.client.update_weights(str(weights), version) for c in live),
+        path = self._weights_path(version)
+        results = await asyncio.gather(*(c.client.update_weights(path, version) for c in live),
                                        return_exceptions=True)
         for slot, result in zip(live, results):
             if isinstance(result, BaseException):

@@ -60,6 +60,23 @@ class Scheduler(Protocol):
 
 
 @runtime_checkable
+class WeightSync(Protocol):
+    """Moves each policy version from the trainer to the servers; ``root`` is the run's ``broadcasts/``."""
+
+    def publish(self, root: Path, weights) -> None:
+        """Publish a :class:`~i3core.trainer.PublishedWeights`; every trainer rank calls it."""
+
+    def is_ready(self, root: Path, version: int) -> bool:
+        """Whether ``version`` has reached the servers' side (the orchestrator then tells them to load it)."""
+
+    def location(self, root: Path, version: int) -> Path | None:
+        """The directory a server loads ``version`` from, or None when the transport delivers it."""
+
+    def receiver(self, root: Path) -> dict | None:
+        """What each server needs to receive weights other than from a path (JSON), or None."""
+
+
+@runtime_checkable
 class MetricSink(Protocol):
     def open(self, output_dir: Path) -> None:
         """Start writing under the run's output directory."""

@@ -133,6 +133,7 @@ def train(run: Run) -> None:
         stdout=trainer_log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     source = run.components["inference"]
+    rendezvous = None
     try:
         sync = run.components["weight_sync"]
         lag = run.components["scheduler"].weight_update_lag
@@ -140,12 +141,23 @@ def train(run: Run) -> None:
         if keep is not None and keep <= lag:
             raise I3Error(f"weight_sync.keep ({keep}) must exceed scheduler.weight_update_lag ({lag}): "
                           "the servers load versions that old")
+        receiver = sync.receiver(paths.broadcasts)
+        if receiver is not None:
+            if lag:
+                raise I3Error(f"scheduler.weight_update_lag ({lag}) needs weights the orchestrator hands out "
+                              f"(weight_sync filesystem): {config.get('weight_sync').name} delivers each version at once")
+            servers = getattr(source.config, "servers", None)
+            if servers is None:
+                raise I3Error(f"weight_sync {config.get('weight_sync').name} needs a rollout source that starts "
+                              "its servers (a `servers` count)")
+            rendezvous = sync.host(paths.broadcasts, servers)
         _wait_for_version_0(trainer, sync, paths, run.output_dir)
         model = run.components["model"]
         tokenizer = model.tokenizer()
         env = run.components["env"]
         stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
-        urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs")
+        extra = {} if receiver is None else {"receiver": receiver}
+        urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs", **extra)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     [run.components["metrics"]], progress=_progress(config.run.max_steps))
@@ -158,6 +170,8 @@ def train(run: Run) -> None:
             trainer.kill()
             trainer.wait()
         source.close()
+        if rendezvous is not None:
+            rendezvous.close()
         trainer_log.close()
         _plot(run.output_dir)
 

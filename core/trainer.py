@@ -116,6 +116,35 @@ def _plain(value) -> float:
     return float(full() if callable(full) else value)
 
 
+class PublishedWeights:
+    """One weight version as the trainer hands it to the weight sync; every rank gets one.
+
+    A transport takes the weights either whole (:meth:`gather` then
+    :meth:`save_hf`, e.g. to write a directory) or streamed
+    (:meth:`hf_tensors`, HF layout one layer at a time). Both are
+    collectives on a sharded model: every rank must call the same one.
+    """
+
+    def __init__(self, trainer: "Trainer", version: int):
+        self.version = version
+        self.rank = trainer.rank
+        self._trainer = trainer
+
+    def gather(self):
+        """The whole model on rank 0, None elsewhere."""
+        trainer = self._trainer
+        state = trainer.full_state()
+        return trainer._unsharded_model(state) if trainer.rank == 0 else None
+
+    def save_hf(self, model, directory: Path) -> None:
+        """Write ``model`` (from :meth:`gather`) as an HF directory."""
+        self._trainer.model_component.save_hf(model, directory)
+
+    def hf_tensors(self):
+        """``(hf_name, tensor)`` in the HF layout, layer by layer, gathered as they go (full tensors on every rank)."""
+        return self._trainer.model_component.hf_tensors(self._trainer.model)
+
+
 class Trainer:
     """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded,
     each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
@@ -177,15 +206,9 @@ class Trainer:
 
     # -- publishing ----------------------------------------------------------
 
-    def publish(self, version: int) -> Path:
-        """Publish the weights as ``version`` through the weight-sync component."""
-        target = self.weight_sync.location(self.paths.broadcasts, version)
-        state = self.full_state()
-        if self.rank == 0:
-            model = self._unsharded_model(state)
-            self.weight_sync.publish(self.paths.broadcasts, version,
-                                     lambda directory: self.model_component.save_hf(model, directory))
-        return target
+    def publish(self, version: int) -> None:
+        """Publish the weights as ``version`` through the weight-sync component (every rank calls it)."""
+        self.weight_sync.publish(self.paths.broadcasts, PublishedWeights(self, version))
 
     # -- SFT -----------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import torch
 from i3core.errors import ServerError
 from i3core.plugins.inference.client import InferenceClient
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
+from i3core.plugins.weight_sync.filesystem import STABLE
 from i3core.testing import make_component
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
@@ -25,6 +26,8 @@ def served(tmp_path_factory):
     model = component.build(seed=0)
     component.save_hf(model, root / "v0")
     component.save_hf(component.build(seed=1), root / "v1")
+    for version in ("v0", "v1"):
+        (root / version / STABLE).write_text("")
     source = make_component("rollout_source", "builtin", servers=1, max_slots=8, max_len=512)
     (url,) = source.start(root / "v0", root / "logs")
     yield url, model, root
@@ -109,6 +112,11 @@ def test_update_weights_mid_generation_and_pause_resume(served):
             assert (await client.health())["version"] == 1
             with pytest.raises(ServerError, match="400"):
                 await client.update_weights(str(root / "missing"), version=2)
+            (root / "unfinished").mkdir()
+            with pytest.raises(ServerError, match="STABLE"):  # a version still being written is never read
+                await client.update_weights(str(root / "unfinished"), version=2)
+            with pytest.raises(ServerError, match="receives weights from a path only"):
+                await client.update_weights(None, version=2)
             await client.pause()
             paused = asyncio.create_task(client.complete("abc", max_tokens=3, temperature=1.0))
             await asyncio.sleep(0.3)

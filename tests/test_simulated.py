@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.simulated import SimEngine, TimingModel, draw_length
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
+from i3core.plugins.weight_sync.filesystem import STABLE
 from i3core.testing import make_component
 
 STOP = 5
@@ -102,6 +103,7 @@ def test_stage_rejects_missing_or_corrupt_weights(tmp_path):
 def test_the_simulated_source_serves_the_builtin_api_with_slot_metrics(tmp_path):
     component = make_component("model", "tiny-moe")
     component.save_hf(component.build(), tmp_path / "v0")
+    (tmp_path / "v0" / STABLE).write_text("")
     source = make_component("rollout_source", "simulated", servers=1, max_slots=4,
                             timing={"step_base_ms": 5, "length_min": 5, "length_median": 10, "length_max": 20})
     (url,) = source.start(tmp_path / "v0", tmp_path / "logs")

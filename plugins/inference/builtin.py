@@ -5,6 +5,7 @@ on 127.0.0.1 with a free port; the orchestrator gets one client per server.
 """
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -38,7 +39,9 @@ class ServerConfig(BaseModel):
 class ServerProcesses:
     """Start ``servers`` server processes on 127.0.0.1 and hand out one client per server.
 
-    Subclasses say which command starts server ``i`` (:meth:`command`).
+    Subclasses say which command starts server ``i`` (:meth:`command`). With a
+    weight-sync ``receiver`` (a JSON spec, see the weight sync's ``receiver``),
+    server ``i`` joins it as rank ``i + 1`` (:func:`receiver_args`).
     """
 
     Config = ServerConfig
@@ -51,13 +54,13 @@ class ServerProcesses:
     def command(self, index: int, port: int, model_dir: Path, version: int) -> list[str]:
         raise NotImplementedError
 
-    def start(self, model_dir: Path, log_dir: Path, version: int = 0) -> list[str]:
+    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None) -> list[str]:
         """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy."""
         log_dir.mkdir(parents=True, exist_ok=True)
         for i in range(self.config.servers):
             port = _free_port(self.config.host)
             log = open(log_dir / f"inference-{i}.log", "ab")
-            cmd = self.command(i, port, model_dir, version)
+            cmd = self.command(i, port, model_dir, version) + receiver_args(receiver, i)
             self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             self.urls.append(f"http://{self.config.host}:{port}")
         asyncio.run(self._wait_healthy(log_dir))
@@ -111,6 +114,13 @@ class BuiltinSource(ServerProcesses):
             "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
             "--threads", str(self.config.threads), "--version", str(version),
         ]  # fmt: skip
+
+
+def receiver_args(receiver: dict | None, index: int) -> list[str]:
+    """The server flags that join server ``index`` to a weight-sync receiver group (none without one)."""
+    if receiver is None:
+        return []
+    return ["--receiver", json.dumps(receiver), "--receiver-rank", str(index + 1)]
 
 
 def _free_port(host: str) -> int:

@@ -58,8 +58,10 @@ class InferenceClient:
     async def health(self) -> dict:
         return await self._request("GET", "/health")
 
-    async def update_weights(self, path: str, version: int) -> dict:
-        return await self._post("/update_weights", {"path": path, "version": version})
+    async def update_weights(self, path: str | None, version: int) -> dict:
+        """Load ``version`` from the directory ``path``, or (``path`` None) wait until it arrives by broadcast."""
+        body = {"version": version} if path is None else {"path": path, "version": version}
+        return await self._post("/update_weights", body)
 
     async def pause(self) -> dict:
         return await self._post("/pause", {})

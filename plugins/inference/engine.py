@@ -110,6 +110,13 @@ class EngineBase(ABC):
         """
 
     @abstractmethod
+    def stage_tensors(self, tensors: dict[str, torch.Tensor]):
+        """Validate HF-layout ``tensors`` that arrived some other way (a broadcast); what :meth:`load_state` takes.
+
+        :raises ValueError: missing or mismatched weights (the live engine is untouched).
+        """
+
+    @abstractmethod
     def load_state(self, state, version: int) -> None:
         """Swap in what :meth:`stage` returned, between two steps; running sequences continue under ``version``."""
 
@@ -178,8 +185,12 @@ class Engine(EngineBase):
         weights = Path(path) / "model.safetensors"
         if not weights.is_file():
             raise ValueError(f"no model.safetensors under {path}")
+        return self.stage_tensors(load_file(str(weights)))
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stack HF-layout ``tensors`` into a fresh model of this shape: every name and shape is checked."""
         staged = TinyMoEModel(self.model.cfg, self.model.vocab_size)
-        load_hf_tensors(staged, load_file(str(weights)))
+        load_hf_tensors(staged, tensors)
         return staged.state_dict()
 
     @torch.no_grad()

@@ -7,8 +7,10 @@ Endpoints: ``POST /v1/completions`` (token-id or text prompts; returns token ids
 per-token logprobs and the policy version of every token), ``POST
 /v1/chat/completions``, ``GET /health``, ``GET /metrics`` (counters, ``busy_slot_s`` and ``uptime_s``
 for slot utilisation), ``POST
-/update_weights`` (``{"path": dir, "version": n}``: an HF directory written by
-``save_hf`` or the filesystem weight sync), ``POST /pause``, ``POST /resume``.
+/update_weights`` (``{"path": dir, "version": n}``: a STABLE version directory of
+the filesystem weight sync, read under its reader's lease; or ``{"version": n}``
+alone on a server that receives weights by broadcast: it answers once that
+version is live), ``POST /pause``, ``POST /resume``.
 
 Everything that touches the engine runs in one task between decode steps, so
 requests join, weights swap and pauses take effect only between two steps.
@@ -21,6 +23,7 @@ Run: ``python -m i3core.plugins.inference.server --model-dir DIR --port 8000`` (
 import argparse
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from aiohttp import web
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
+from i3core.plugins.weight_sync.filesystem import reading
 
 MAX_N = 64
 """Most completions one request may ask for (``n``)."""
@@ -52,6 +56,12 @@ class Server:
         self._update: tuple[dict, int, asyncio.Future] | None = None
         self._wake = asyncio.Event()
         self._paused = False
+        self.receiving = False
+        """Whether weights arrive by broadcast (:meth:`offer`) and ``/update_weights`` may omit the path."""
+        self._received: dict[int, asyncio.Future] = {}
+        self.updates = 0
+        self.update_pause_s = 0.0
+        """Time the engine stood still swapping weights, over all updates."""
         self.tokens_generated = 0
         self.requests_served = 0
         self.busy_slot_s = 0.0
@@ -80,8 +90,12 @@ class Server:
         if self._update is not None:
             state, version, done = self._update
             self._update = None
+            start = time.perf_counter()
             self.engine.load_state(state, version)
-            done.set_result(version)
+            self.update_pause_s += time.perf_counter() - start
+            self.updates += 1
+            if not done.done():
+                done.set_result(version)
         for seq, future in self._adds:
             self._futures[seq.id] = future
             self.engine.waiting.append(seq)
@@ -210,6 +224,8 @@ class Server:
                 "tokens_generated": self.tokens_generated,
                 "requests_served": self.requests_served,
                 "busy_slot_s": self.busy_slot_s,
+                "updates": self.updates,
+                "update_pause_s": self.update_pause_s,
                 "uptime_s": time.time() - self.started,
             }
         )
@@ -217,17 +233,55 @@ class Server:
     async def update_weights(self, http: web.Request) -> web.Response:
         body = await _json_body(http)
         path, version = body.get("path"), body.get("version")
-        if not isinstance(path, str) or not isinstance(version, int):
-            raise BadRequest("update_weights needs a string path and an integer version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise BadRequest("update_weights needs an integer version >= 0")
+        if path is None:
+            if not self.receiving:
+                raise BadRequest("this server receives weights from a path only: give path")
+            await self._received_future(version)
+            return web.json_response({"status": "ok", "version": self.engine.version})
+        if not isinstance(path, str):
+            raise BadRequest("path must be a string")
         try:  # every name and shape is checked before the live engine is touched
-            state = await asyncio.to_thread(self.engine.stage, Path(path))
+            state = await asyncio.to_thread(self._stage_version, Path(path))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        await self._swap(state, version)
+        return web.json_response({"status": "ok", "version": version})
+
+    def _stage_version(self, path: Path):
+        with reading(path):  # the trainer's pruning waits until we are done
+            return self.engine.stage(path)
+
+    async def _swap(self, state, version: int) -> None:
         done = asyncio.get_running_loop().create_future()
+        if self._update is not None:  # a newer version supersedes one not yet swapped in
+            self._update[2].set_result(version)
         self._update = (state, version, done)
         self._wake.set()
         await done
-        return web.json_response({"status": "ok", "version": version})
+
+    def _received_future(self, version: int) -> asyncio.Future:
+        future = self._received.get(version)
+        if future is None:
+            future = self._received[version] = asyncio.get_running_loop().create_future()
+            if self.engine.version >= version:
+                future.set_result(self.engine.version)
+        return future
+
+    async def offer(self, state, version: int, error: str | None = None) -> None:
+        """A version that arrived by broadcast: swap it in (or record why it could not be)."""
+        future = self._received_future(version)
+        if error is not None:
+            if not future.done():
+                future.set_exception(BadRequest(f"weights of version {version} rejected: {error}"))
+            return
+        await self._swap(state, version)
+        for waiting, pending in list(self._received.items()):
+            if waiting <= version and not pending.done():
+                pending.set_result(version)
+        for old in [v for v in self._received if v < version - 8]:
+            self._received.pop(old)
 
     async def pause(self, http: web.Request) -> web.Response:
         self._paused = True
@@ -271,7 +325,8 @@ async def _errors(request: web.Request, handler):
         return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
 
 
-def make_app(server: Server) -> web.Application:
+def make_app(server: Server, receiver=None) -> web.Application:
+    """The HTTP app; with a broadcast ``receiver`` a thread takes the versions it delivers."""
     app = web.Application(middlewares=[_errors], client_max_size=16 * 1024 * 1024)
     app.add_routes(
         [
@@ -291,7 +346,34 @@ def make_app(server: Server) -> web.Application:
         task.cancel()
 
     app.cleanup_ctx.append(engine_task)
+    if receiver is not None:
+        server.receiving = True
+
+        async def receive_task(app):
+            thread = threading.Thread(target=_receive_forever, args=(server, receiver, asyncio.get_running_loop()),
+                                      name="weights-receiver", daemon=True)
+            thread.start()
+            yield
+
+        app.cleanup_ctx.append(receive_task)
     return app
+
+
+def _receive_forever(server: Server, receiver, loop: asyncio.AbstractEventLoop) -> None:
+    """The receiver thread: take each broadcast version, check it off the engine task, hand it over."""
+    while True:
+        try:
+            version, tensors = receiver.receive()
+        except Exception as exc:  # a broken group cannot be rejoined: say so and stop receiving
+            print(json.dumps({"event": "weight receiver stopped", "error": f"{type(exc).__name__}: {exc}"}),
+                  flush=True)
+            return
+        try:
+            state, error = server.engine.stage_tensors(tensors), None
+        except ValueError as exc:
+            state, error = None, str(exc)
+        del tensors
+        asyncio.run_coroutine_threadsafe(server.offer(state, version, error), loop).result()
 
 
 def main(argv=None) -> None:
@@ -306,6 +388,8 @@ def main(argv=None) -> None:
     parser.add_argument("--engine", choices=("tiny-moe", "simulated"), default="tiny-moe", help="what generates")
     parser.add_argument("--timing", default="{}", help="simulated engine: TimingModel fields as JSON")
     parser.add_argument("--index", type=int, default=0, help="simulated engine: offsets its sampling seed")
+    parser.add_argument("--receiver", default=None, help="weight-sync receiver spec (JSON) to take broadcasts from")
+    parser.add_argument("--receiver-rank", type=int, default=1, help="this server's rank in the broadcast group")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.engine == "simulated":
@@ -316,7 +400,12 @@ def main(argv=None) -> None:
         server = Server(engine, build_tokenizer(), f"simulated:{args.model_dir}")
     else:
         server = builtin_server(args.model_dir, max_slots=args.max_slots, max_len=args.max_len, version=args.version)
-    web.run_app(make_app(server), host=args.host, port=args.port, print=None, access_log=None)
+    receiver = None
+    if args.receiver is not None:
+        from i3core.plugins.weight_sync.broadcast import Receiver
+
+        receiver = Receiver.from_spec(json.loads(args.receiver), args.receiver_rank)
+    web.run_app(make_app(server, receiver), host=args.host, port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,12 @@ class SimEngine(EngineBase):
             raise ValueError(f"{weights}: {exc}") from None
         return weights
 
-    def load_state(self, state: Path, version: int) -> None:
+    def stage_tensors(self, tensors: dict) -> dict:
+        if not tensors:
+            raise ValueError("the update holds no tensors")
+        return tensors
+
+    def load_state(self, state, version: int) -> None:
         self.logits = self._table(version)
         self.version = version
         self._pause_s += self.timing.update_pause_ms / 1000

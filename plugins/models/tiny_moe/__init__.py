@@ -76,6 +76,11 @@ class TinyMoE:
         """Write ``model`` as an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
         return hf.save_hf(model, path)
 
+    @staticmethod
+    def hf_tensors(model: TinyMoEModel):
+        """``(hf_name, tensor)`` layer by layer in the HF layout (experts unstacked); collective when sharded."""
+        return hf.iter_hf_tensors(model)
+
     def load_hf(self, path: str | Path) -> TinyMoEModel:
         """Read an HF directory back into the stacked layout (this component's backend kept)."""
         hf_cfg, tensors = hf.read_hf(path)

@@ -76,25 +76,35 @@ def config_fields_from_hf(hf: dict) -> dict:
     }
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter: an FSDP2 shard (DTensor) is gathered, a plain one is a view."""
+    full = getattr(param, "full_tensor", None)
+    return (full() if callable(full) else param).detach()
+
+
 def iter_hf_tensors(model: TinyMoEModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` in HF layout: embeddings, then layer by layer, then norm and head."""
-    yield "model.embed_tokens.weight", model.embed.weight.detach()
+    """Yield ``(hf_name, tensor)`` in HF layout: embeddings, then layer by layer, then norm and head.
+
+    On an FSDP2-sharded model every rank must iterate in step: each parameter is
+    gathered when its turn comes, so no rank holds more than one layer unsharded.
+    """
+    yield "model.embed_tokens.weight", _full(model.embed.weight)
     inter = model.cfg.moe_intermediate_size
     for i, block in enumerate(model.blocks):
         prefix = f"model.layers.{i}"
-        yield f"{prefix}.input_layernorm.weight", block.input_norm.weight.detach()
+        yield f"{prefix}.input_layernorm.weight", _full(block.input_norm.weight)
         for name in _ATTN:
-            yield f"{prefix}.self_attn.{name}.weight", getattr(block.attn, name).weight.detach()
-        yield f"{prefix}.post_attention_layernorm.weight", block.post_attn_norm.weight.detach()
-        yield f"{prefix}.mlp.gate.weight", block.moe.router.weight.detach()
-        gate_up, down = block.moe.gate_up.detach(), block.moe.down.detach()
+            yield f"{prefix}.self_attn.{name}.weight", _full(getattr(block.attn, name).weight)
+        yield f"{prefix}.post_attention_layernorm.weight", _full(block.post_attn_norm.weight)
+        yield f"{prefix}.mlp.gate.weight", _full(block.moe.router.weight)
+        gate_up, down = _full(block.moe.gate_up), _full(block.moe.down)
         for e in range(gate_up.shape[0]):
             yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", gate_up[e, :, :inter].T.contiguous()
             yield f"{prefix}.mlp.experts.{e}.up_proj.weight", gate_up[e, :, inter:].T.contiguous()
             yield f"{prefix}.mlp.experts.{e}.down_proj.weight", down[e].T.contiguous()
-    yield "model.norm.weight", model.norm.weight.detach()
+    yield "model.norm.weight", _full(model.norm.weight)
     if not model.cfg.tie_word_embeddings:
-        yield "lm_head.weight", model.lm_head.weight.detach()
+        yield "lm_head.weight", _full(model.lm_head.weight)
 
 
 @torch.no_grad()
