@@ -74,7 +74,7 @@ async def modelled_trainer(paths, sync, steps: int, train_s: float, template: Pa
         await asyncio.sleep(train_s)
         paths.batch(step).unlink()
         atomic_write_bytes(paths.trainer_metrics(step), json.dumps({"loss": 0.0}).encode())
-        sync.publish(paths.broadcasts, step, lambda d: shutil.copytree(template, d))
+        sync.write(paths.broadcasts, step, lambda d: shutil.copytree(template, d))
 
 
 def simulated_run(scheduler: dict, servers: int, args, work: Path) -> dict:
@@ -105,7 +105,7 @@ def simulated_run(scheduler: dict, servers: int, args, work: Path) -> dict:
     template = work / "weights"
     if not template.exists():
         model.save_hf(model.build(), template)
-    sync.publish(paths.broadcasts, 0, lambda d: shutil.copytree(template, d))
+    sync.write(paths.broadcasts, 0, lambda d: shutil.copytree(template, d))
     tokenizer, env = model.tokenizer(), run.components["env"]
     stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
     try:

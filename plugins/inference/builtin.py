@@ -45,14 +45,19 @@ class ServerProcesses:
     """
 
     Config = ServerConfig
+    startup_timeout_s = STARTUP_TIMEOUT_S
 
     def __init__(self, config: ServerConfig):
         self.config = config
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
-    def command(self, index: int, port: int, model_dir: Path, version: int) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
         raise NotImplementedError
+
+    def environment(self, index: int, version: int, receiver: dict | None) -> dict[str, str] | None:
+        """The environment of server ``index`` (None: this process's)."""
+        return None
 
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None) -> list[str]:
         """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy."""
@@ -60,14 +65,15 @@ class ServerProcesses:
         for i in range(self.config.servers):
             port = _free_port(self.config.host)
             log = open(log_dir / f"inference-{i}.log", "ab")
-            cmd = self.command(i, port, model_dir, version) + receiver_args(receiver, i)
-            self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            cmd = self.command(i, port, model_dir, version, receiver)
+            env = self.environment(i, version, receiver)
+            self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
             self.urls.append(f"http://{self.config.host}:{port}")
         asyncio.run(self._wait_healthy(log_dir))
         return self.urls
 
     async def _wait_healthy(self, log_dir: Path) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.startup_timeout_s
         for i, (url, proc) in enumerate(zip(self.urls, self.processes)):
             client = InferenceClient(url, tokenizer=None)
             try:
@@ -79,7 +85,7 @@ class ServerProcesses:
                         break
                     except ServerError:
                         if time.monotonic() > deadline:
-                            raise I3Error(f"inference server {i} not healthy after {STARTUP_TIMEOUT_S:.0f}s") from None
+                            raise I3Error(f"inference server {i} not healthy after {self.startup_timeout_s:.0f}s") from None
                         await asyncio.sleep(HEALTH_POLL_S)
             finally:
                 await client.close()
@@ -107,12 +113,12 @@ class BuiltinSource(ServerProcesses):
     class Config(ServerConfig):
         threads: int = Field(1, ge=1, description="torch CPU threads per server.")
 
-    def command(self, index: int, port: int, model_dir: Path, version: int) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
         return [
             sys.executable, "-m", "i3core.plugins.inference.server",
             "--model-dir", str(model_dir), "--host", self.config.host, "--port", str(port),
             "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
-            "--threads", str(self.config.threads), "--version", str(version),
+            "--threads", str(self.config.threads), "--version", str(version), *receiver_args(receiver, index),
         ]  # fmt: skip
 
 

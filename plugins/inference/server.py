@@ -31,16 +31,19 @@ import torch
 from aiohttp import web
 
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
+from i3core.plugins.inference.protocol import (
+    BadRequest,
+    VersionWaits,
+    completion_choice,
+    envelope,
+    error_body,
+    parse_prompt,
+    parse_sampling,
+)
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
 from i3core.plugins.weight_sync.filesystem import reading
 
-MAX_N = 64
-"""Most completions one request may ask for (``n``)."""
-
-
-class BadRequest(ValueError):
-    """A client error: answered with 400 and this message."""
 
 
 class Server:
@@ -58,7 +61,8 @@ class Server:
         self._paused = False
         self.receiving = False
         """Whether weights arrive by broadcast (:meth:`offer`) and ``/update_weights`` may omit the path."""
-        self._received: dict[int, asyncio.Future] = {}
+        self._waits = VersionWaits()
+        self._waits.live = engine.version
         self.updates = 0
         self.update_pause_s = 0.0
         """Time the engine stood still swapping weights, over all updates."""
@@ -121,29 +125,14 @@ class Server:
 
     async def completions(self, http: web.Request) -> web.Response:
         body = await _json_body(http)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompt_ids = prompt
-        else:
-            raise BadRequest("prompt must be a string or a non-empty list of token ids")
-        if any(not 0 <= t < self.engine.vocab_size for t in prompt_ids):
-            raise BadRequest(f"prompt token ids must be in [0, {self.engine.vocab_size})")
+        prompt_ids = parse_prompt(body, self.engine.vocab_size, lambda text: self.tokenizer.encode(text).ids)
         seqs = await self._generate_n(body, prompt_ids)
         choices = [
-            {
-                "index": i,
-                "text": self.tokenizer.decode(seq.token_ids, skip_special_tokens=False),
-                "token_ids": seq.token_ids,
-                "prompt_token_ids": prompt_ids,
-                "logprobs": {"token_logprobs": seq.logprobs},
-                "versions": seq.versions,
-                "finish_reason": seq.finish_reason,
-            }
+            completion_choice(i, self.tokenizer.decode(seq.token_ids, skip_special_tokens=False), prompt_ids,
+                              seq.token_ids, seq.logprobs, seq.versions, seq.finish_reason)
             for i, seq in enumerate(seqs)
         ]
-        return web.json_response(self._envelope("text_completion", choices, prompt_ids, seqs))
+        return web.json_response(self._envelope("text_completion", choices, prompt_ids))
 
     async def chat_completions(self, http: web.Request) -> web.Response:
         body = await _json_body(http)
@@ -171,24 +160,15 @@ class Server:
                     "finish_reason": seq.finish_reason,
                 }
             )
-        return web.json_response(self._envelope("chat.completion", choices, prompt_ids, seqs))
+        return web.json_response(self._envelope("chat.completion", choices, prompt_ids))
 
     async def _generate_n(self, body: dict, prompt_ids: list[int]) -> list[Sequence]:
-        n = _int(body, "n", 1, 1, MAX_N)
-        max_tokens = _int(body, "max_tokens", 16, 1, self.engine.max_len)
-        temperature = body.get("temperature", 1.0)
-        if not isinstance(temperature, int | float) or temperature < 0:
-            raise BadRequest("temperature must be a number >= 0")
-        stop = body.get("stop_token_ids", [token_id(EOS)])
-        if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
-            raise BadRequest("stop_token_ids must be a list of integers")
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise BadRequest("seed must be an integer")
+        sampling = parse_sampling(body, self.engine.max_len, [token_id(EOS)])
         try:
             requests = [
-                Request(list(prompt_ids), max_tokens, float(temperature), tuple(stop), None if seed is None else seed + i)
-                for i in range(n)
+                Request(list(prompt_ids), sampling.max_tokens, sampling.temperature, sampling.stop_token_ids,
+                        sampling.seed_of(i))
+                for i in range(sampling.n)
             ]
             seqs = await asyncio.gather(*(self.generate(r) for r in requests))
         except ValueError as exc:
@@ -196,18 +176,8 @@ class Server:
         self.requests_served += 1
         return list(seqs)
 
-    def _envelope(self, kind: str, choices: list, prompt_ids: list[int], seqs: list[Sequence]) -> dict:
-        return {
-            "id": f"cmpl-{self.requests_served}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": sum(len(s.token_ids) for s in seqs),
-            },
-        }
+    def _envelope(self, kind: str, choices: list, prompt_ids: list[int]) -> dict:
+        return envelope(kind, f"cmpl-{self.requests_served}", self.model_name, choices, prompt_ids)
 
     async def health(self, http: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": self.engine.version, "paused": self._paused})
@@ -238,7 +208,7 @@ class Server:
         if path is None:
             if not self.receiving:
                 raise BadRequest("this server receives weights from a path only: give path")
-            await self._received_future(version)
+            await self._waits.wait(version)
             return web.json_response({"status": "ok", "version": self.engine.version})
         if not isinstance(path, str):
             raise BadRequest("path must be a string")
@@ -261,27 +231,13 @@ class Server:
         self._wake.set()
         await done
 
-    def _received_future(self, version: int) -> asyncio.Future:
-        future = self._received.get(version)
-        if future is None:
-            future = self._received[version] = asyncio.get_running_loop().create_future()
-            if self.engine.version >= version:
-                future.set_result(self.engine.version)
-        return future
-
     async def offer(self, state, version: int, error: str | None = None) -> None:
         """A version that arrived by broadcast: swap it in (or record why it could not be)."""
-        future = self._received_future(version)
         if error is not None:
-            if not future.done():
-                future.set_exception(BadRequest(f"weights of version {version} rejected: {error}"))
+            self._waits.rejected(version, error)
             return
         await self._swap(state, version)
-        for waiting, pending in list(self._received.items()):
-            if waiting <= version and not pending.done():
-                pending.set_result(version)
-        for old in [v for v in self._received if v < version - 8]:
-            self._received.pop(old)
+        self._waits.arrived(version)
 
     async def pause(self, http: web.Request) -> web.Response:
         self._paused = True
@@ -300,13 +256,6 @@ def builtin_server(model_dir: Path, *, max_slots: int, max_len: int, version: in
     return Server(engine, build_tokenizer(), str(model_dir))
 
 
-def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(f"{key} must be an integer in [{low}, {high}]")
-    return value
-
-
 async def _json_body(http: web.Request) -> dict:
     try:
         body = await http.json()
@@ -322,7 +271,7 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except BadRequest as exc:
-        return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+        return web.json_response(error_body(str(exc)), status=400)
 
 
 def make_app(server: Server, receiver=None) -> web.Application:

