@@ -12,7 +12,8 @@ process plays trainer rank 0 and pushes ``--updates`` new versions:
   ``/update_weights {version}``, which answers once the version is live.
 
 ``update_ms`` is trainer-side wall time from the start of a push to the
-server's answer; ``pause_ms`` is how long the server's engine stood still
+server's answer (``push_ms``: the part until the trainer's side is done, i.e.
+the directory written or the last byte broadcast); ``pause_ms`` is how long the server's engine stood still
 swapping (its ``update_pause_s`` per update); ``bandwidth_over_memcpy`` is the
 HF bytes of one version / ``update_ms``, over the bytes/s of a plain in-memory
 copy of the same bytes measured in the same run (the physical limit on one
@@ -80,7 +81,7 @@ async def measure(transport: str, size: str, updates: int, streams: int, work: P
     client = source.client(url, build_tokenizer(), [])
     stop = asyncio.Event()
     generators = [asyncio.create_task(keep_generating(client, stop)) for _ in range(streams)]
-    times = []
+    times, pushes = [], []
     try:
         await asyncio.sleep(1.0)  # decoding is under way
         before = await client._request("GET", "/metrics")
@@ -89,9 +90,11 @@ async def measure(transport: str, size: str, updates: int, streams: int, work: P
             start = time.perf_counter()
             if sender is None:
                 path = await asyncio.to_thread(fs.write, root, version, lambda d, m=model: component.save_hf(m, d))
+                pushes.append(time.perf_counter() - start)
                 await client.update_weights(str(path), version)
             else:
                 await asyncio.to_thread(sender.send, version, component.hf_tensors(model))
+                pushes.append(time.perf_counter() - start)
                 await client.update_weights(None, version)
             times.append(time.perf_counter() - start)
         after = await client._request("GET", "/metrics")
@@ -114,6 +117,7 @@ async def measure(transport: str, size: str, updates: int, streams: int, work: P
         "bytes": nbytes,
         "pause_ms": round(1000 * (after["update_pause_s"] - before["update_pause_s"]) / max(swaps, 1), 2),
         "update_ms": round(1000 * update_s, 1),
+        "push_ms": round(1000 * statistics.median(pushes), 1),
         "bytes_per_s": round(nbytes / update_s),
         "updates": swaps,
         "completions_during": completions,

@@ -4,7 +4,9 @@ Loop: wait for ``batches/step_N.pt`` -> recompute per-token logprobs (chunked
 log-softmax, each chunk recomputed in backward so a batch's ``[T, V]`` float32
 logits never exist at once) -> loss plugin -> backward over micro-batches with
 one global normaliser -> clip -> optimizer plugin -> publish weights version N
-(HF safetensors in ``broadcasts/step_N/``, then a STABLE marker) -> metrics.
+through the weight-sync plugin (every rank takes part: ``filesystem`` gathers
+and rank 0 writes ``broadcasts/step_N/`` + STABLE; ``broadcast`` streams the HF
+tensors layer by layer from rank 0) -> metrics.
 
 Before RL, an optional SFT warm start trains cross-entropy on the
 environment's demonstrations with the same model, packing and publishing;

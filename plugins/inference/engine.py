@@ -195,8 +195,11 @@ class Engine(EngineBase):
 
     @torch.no_grad()
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Swap weights between two steps; running sequences continue under ``version``."""
-        self.model.load_state_dict(state)
+        """Swap weights between two steps; running sequences continue under ``version``.
+
+        The staged tensors become the live ones (no copy), so the engine stands still only for the swap.
+        """
+        self.model.load_state_dict(state, assign=True)
         self.version = version
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:

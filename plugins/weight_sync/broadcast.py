@@ -23,6 +23,7 @@ the trainer fails with that error: collectives have no partial members.
 
 import datetime
 import json
+import math
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -190,8 +191,11 @@ class Receiver(_Member):
             offset = 0
             for name, dtype, shape in json.loads(bytes(meta.cpu().tolist())):
                 dtype = getattr(torch, dtype)
-                size = dtype.itemsize * (int(torch.tensor(shape).prod()) if shape else 1)
-                tensors[name] = data[offset : offset + size].clone().view(dtype).reshape(shape)
+                size = dtype.itemsize * math.prod(shape)
+                piece = data[offset : offset + size]
+                if offset % dtype.itemsize:  # a view must start on an element boundary
+                    piece = piece.clone()
+                tensors[name] = piece.view(dtype).reshape(shape)
                 offset += size
 
 
