@@ -1,6 +1,6 @@
 """Weight sync: how long generation pauses per update, and each transport's bandwidth against memcpy.
 
-For the quickstart model and a ~80M-parameter tiny-moe, and for each transport
+For the quickstart model and a ~100M-parameter tiny-moe, and for each transport
 (``filesystem``, ``broadcast``), one real builtin server process on 127.0.0.1
 keeps generating (``--streams`` completions always in flight) while this
 process plays trainer rank 0 and pushes ``--updates`` new versions:
@@ -40,8 +40,8 @@ from i3core.testing import make_component
 
 SIZES = {
     "quickstart": {},
-    "80M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 2, "num_experts": 16,
-            "moe_intermediate_size": 384},
+    "100M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 2, "num_experts": 16,
+             "moe_intermediate_size": 480},
 }
 
 
