@@ -57,6 +57,9 @@ class TrainerSection(BaseModel):
     nproc: int = Field(1, ge=1, description="Trainer processes (torchrun --nproc-per-node); >1 shards with FSDP2.")
     threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    activation_memory: Literal["keep", "checkpoint", "offload"] = Field(
+        "keep", description="Activations saved for backward: keep them, recompute each block (checkpoint), "
+                            "or move them to host memory (offload).")  # fmt: skip
 
 
 class SftSection(BaseModel):

@@ -32,6 +32,7 @@ from i3core.config import RunConfig, load_config
 from i3core.errors import I3Error
 from i3core.files import atomic_write_bytes
 from i3core.packing import Sample, pack
+from i3core.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
 STOP = "STOP"
@@ -161,6 +162,11 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
+        if config.trainer.activation_memory == "checkpoint":
+            if not hasattr(self.model, "activation_checkpointing"):
+                raise I3Error(f"model {config.get('model').name} has no activation checkpointing: "
+                              "use trainer.activation_memory = \"keep\" or \"offload\"")
+            self.model.activation_checkpointing = True
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         if self.world > 1:
@@ -261,9 +267,12 @@ class Trainer:
         metrics: dict[str, float] = {}
         loss_sum, abs_diff, n_tokens = 0.0, 0.0, 0
         same_diff, same_tokens = 0.0, 0  # tokens sampled by exactly these weights: engine vs trainer numerics
+        activation_bytes = 0
         for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
                                 batch.versions.split(tcfg.micro_batch_rows)):
-            lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk)
+            with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
+                lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk)
+            activation_bytes = max(activation_bytes, saved.bytes)
             mask = mb["loss_mask"].reshape(-1)
             out = loss_fn(
                 LossInputs(
@@ -293,6 +302,10 @@ class Trainer:
             dist.all_reduce(sums)
             loss_sum, abs_diff, n_tokens, same_diff, same_tokens = sums.tolist()
         metrics = {k: v / max(n_tokens, 1) for k, v in metrics.items()}
+        metrics["memory/activations_mb"] = activation_bytes / 2**20
+        if torch.cuda.is_available():
+            metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
         metrics.update(
             {
                 "loss": loss_sum,
@@ -305,6 +318,21 @@ class Trainer:
             }
         )
         return metrics
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def utilisation(self, batch: TrainBatch, compute_s: float, peak: float) -> dict[str, float]:
+        """Model FLOPs of the step over its compute time, against ``peak`` (this machine's measured matmul
+        FLOP/s per rank) times the ranks: ``perf/mfu``. Empty when the model has no FLOPs model."""
+        flops_of = getattr(self.model_component, "train_flops", None)
+        if flops_of is None:
+            return {}
+        flops = flops_of(self.model, batch.position_ids, batch.sequence_ids < batch.num_samples)
+        achieved = flops / compute_s
+        return {"perf/model_flops": flops, "perf/flops_per_s": achieved, "perf/peak_flops_per_s": peak,
+                "perf/mfu": achieved / (peak * self.world)}
 
     def checkpoint(self, step: int, optimizer) -> None:
         """``checkpoints/step_N/``: the full model (rank 0) and each rank's optimizer state, renamed into place."""
@@ -331,6 +359,7 @@ class Trainer:
         self.publish(0)
         loss_fn = self.config.get("loss").build()
         optimizer = self.config.get("optimizer").build().build(self.model.named_parameters())
+        peak = matmul_peak_flops(self.device)
         every = self.config.trainer.checkpoint_every
         last = 0
         for step in range(1, self.config.run.max_steps + 1):
@@ -339,8 +368,10 @@ class Trainer:
                 break
             start = time.perf_counter()
             metrics = self.train_step(batch, loss_fn, optimizer, version=step - 1)
+            compute_s = time.perf_counter() - start
             self.publish(step)
             metrics["step_time_s"] = time.perf_counter() - start
+            metrics.update(self.utilisation(batch, compute_s, peak))
             if self.rank == 0:
                 atomic_write_bytes(self.paths.trainer_metrics(step), json.dumps(metrics).encode())
             last = step

@@ -4,6 +4,7 @@ import multiprocessing
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -123,9 +124,19 @@ def test_broadcast_delivers_every_tensor_to_every_receiver(builtins, tmp_path):
     members = [ctx.Process(target=_receive, args=(rendezvous.path, r, 2, queue)) for r in (1, 2)]
     for p in members:
         p.start()
+    alive, peak = [], [0]
+
+    def stream(tensors):  # fresh copies, so what the sender still holds can be counted
+        for name, tensor in tensors.items():
+            tensor = tensor.clone()
+            alive.append(weakref.ref(tensor))
+            peak[0] = max(peak[0], sum(r().nbytes for r in alive if r() is not None))
+            yield name, tensor
+            del tensor
+
     try:
         sender = Sender(rendezvous.path, "gloo", timeout_s=60)
-        sent = sender.send(7, first.items())
+        sent = sender.send(7, stream(first))
         sender.send(8, second.items())
         got = [queue.get(timeout=120) for _ in range(4)]
     finally:
@@ -134,6 +145,9 @@ def test_broadcast_delivers_every_tensor_to_every_receiver(builtins, tmp_path):
             p.kill()
         rendezvous.close()
     assert sent == sum(t.numel() * t.element_size() for t in first.values())
+    layer = max(sum(t.nbytes for _, t in chunk) for chunk in layer_chunks(first.items()))
+    lookahead = max(t.nbytes for t in first.values())  # a layer ends when the next one's first tensor is read
+    assert peak[0] <= layer + lookahead, (peak[0], layer)  # never more than one layer held
     for rank, version, tensors in got:
         expected = first if version == 7 else second
         assert set(tensors) == set(expected)

@@ -147,6 +147,7 @@ class Sender(_Member):
             self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device))
             self._broadcast(data)
             sent += data.numel()
+            del chunk, data  # before the next layer is gathered: one layer in flight
         self._broadcast(torch.tensor([-1, -1], dtype=torch.int64, device=self.device))
         return sent
 

@@ -81,6 +81,25 @@ class TinyMoE:
         """``(hf_name, tensor)`` layer by layer in the HF layout (experts unstacked); collective when sharded."""
         return hf.iter_hf_tensors(model)
 
+    @staticmethod
+    def train_flops(model: TinyMoEModel, position_ids: torch.Tensor, real: torch.Tensor) -> float:
+        """Model FLOPs of one training step (forward + backward = 3 x forward) over the ``real`` tokens.
+
+        Forward per token: 2 x the active matrix parameters (attention projections,
+        router, the top-k experts' SwiGLU, the LM head; the embedding is a lookup)
+        plus attention itself, 4 x heads x head_dim x context (QK^T and AV), with a
+        token's context its position + 1 inside its packed sample.
+        """
+        cfg = model.cfg
+        hidden, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        per_layer = hidden * q + 2 * hidden * kv + q * hidden + hidden * cfg.num_experts
+        per_layer += cfg.experts_per_token * 3 * hidden * cfg.moe_intermediate_size
+        matrix = cfg.num_layers * per_layer + hidden * model.vocab_size
+        tokens = int(real.sum())
+        context = float((position_ids[real] + 1).sum())
+        forward = 2 * matrix * tokens + 4 * cfg.num_layers * q * context
+        return 3 * forward
+
     def load_hf(self, path: str | Path) -> TinyMoEModel:
         """Read an HF directory back into the stacked layout (this component's backend kept)."""
         hf_cfg, tensors = hf.read_hf(path)

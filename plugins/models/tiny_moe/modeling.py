@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -232,6 +233,8 @@ class TinyMoEModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.activation_checkpointing = False
+        """Checkpoint every block (set by the trainer's ``activation_memory = "checkpoint"``)."""
 
     def reset_parameters(self, seed: int) -> None:
         """Initialise every weight from ``seed`` (normal(0, init_std); norms at 1)."""
@@ -251,7 +254,11 @@ class TinyMoEModel(nn.Module):
         cos, sin = rotary(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         mask = packed_causal_mask(position_ids)
         for block in self.blocks:
-            x = block(x, cos, sin, mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Keep only each block's input; recompute its inside in backward (deterministic: same numbers).
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask)
         return self.norm(x)
 
     def forward_cached(
