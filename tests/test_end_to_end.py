@@ -35,9 +35,11 @@ def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))
     for row in rows:
-        for key in ["reward/mean", "loss", "step_time_s", "mismatch/kl", "rollouts/started", *LEDGER]:
+        for key in ["reward/mean", "loss", "step_time_s", "mismatch/kl", "rollouts/started", "perf/mfu",
+                    "memory/activations_mb", *LEDGER]:
             assert key in row, key
         assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
+        assert 0 < row["perf/mfu"] < 1 and row["memory/activations_mb"] > 0
         assert row["rollouts/trained"] >= row["step"] * 64  # batches handed to the trainer, maybe ahead
     # Version 0 is exactly what the servers sampled with: the trainer and the server agree.
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
@@ -75,6 +77,7 @@ def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_pa
     assert [r["step"] for r in rows] == list(range(1, 41))
     for row in rows:
         assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
+        assert 0 < row["perf/mfu"] < 1 and row["memory/activations_mb"] > 0
     # the rollouts running on the killed server are re-queued on the other one: none lost, none failed
     assert rows[-1]["rollouts/requeued"] > 0
     assert rows[-1]["rollouts/failed"] == 0
