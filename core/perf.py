@@ -38,7 +38,7 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, model: torch.nn.Module, offload: bool = False):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.untyped_storage().nbytes()}
+        self.params = {_storage_key(p) for p in model.parameters()}
         self.offload = offload
         self.bytes = 0
         self._seen: set[int] = set()
@@ -49,13 +49,13 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         return self
 
     def _pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.params or isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+        key = _storage_key(tensor)
+        if key is None or key in self.params or isinstance(tensor, torch.nn.Parameter) \
+                or isinstance(tensor._base, torch.nn.Parameter):
             return tensor  # a weight (FSDP2's unsharded ones are Parameters too), not an activation
         if key not in self._seen:
             self._seen.add(key)
-            self.bytes += storage.nbytes()
+            self.bytes += tensor.untyped_storage().nbytes()
         if self.offload and tensor.device.type != "cpu":
             return tensor.device, tensor.to("cpu", non_blocking=True)
         return tensor
@@ -66,3 +66,13 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             device, tensor = packed
             return tensor.to(device, non_blocking=True)
         return packed
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage (its local shard's for a DTensor); None when it has none."""
+    to_local = getattr(tensor, "to_local", None)
+    local = to_local() if callable(to_local) else tensor
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # FSDP2 frees and resizes unsharded storages
+        return None
