@@ -39,7 +39,8 @@ def test_three_mistakes_three_errors_exit_2_no_traceback(tmp_path):
         "error: run.max_step: unknown key (did you mean 'max_steps'?); valid keys: name, output_dir, max_steps, seed",
         "error: loss.mask_lo: unknown key (did you mean 'mask_low'?); valid keys: mask_low, mask_high, "
         "rollout_min_ratio",
-        "error: optimizer.use: unknown optimizer 'adamx' (did you mean 'adamw'?); available: adamw (i3core)",
+        "error: optimizer.use: unknown optimizer 'adamx' (did you mean 'adamw'?); available: adamw (i3core), "
+            "muon (i3core)",
     ]
     assert "Traceback" not in result.stderr + result.stdout
 
