@@ -1,3 +1,5 @@
+import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +29,43 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
         env=env,
         timeout=120,
     )
+
+
+QUICKSTART_FILESYSTEM_SYNC = 'use = "filesystem"          # safetensors in broadcasts/step_N/ + a STABLE marker\nkeep = 3'
+
+
+def quickstart_run(tmp_path: Path, *sets: str, replace: dict[str, str] | None = None,
+                   timeout: float = 600) -> tuple[subprocess.CompletedProcess, Path, list[dict]]:
+    """``i3core run`` on the quickstart with text ``replace``-d in its TOML and ``--set`` overrides;
+    the finished process, the run directory and its metrics rows."""
+    config = (ROOT / "examples" / "quickstart.toml").read_text()
+    for old, new in (replace or {}).items():
+        assert old in config, old
+        config = config.replace(old, new)
+    path = tmp_path / "quickstart-variant.toml"
+    path.write_text(config)
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "i3core.cli", "run", str(path), "--set", f"run.output_dir='{out}'"]
+    proc = subprocess.run([*args, *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return proc, out, rows
+
+
+def torchrun_trainer(config_path: Path, nproc: int, timeout: float = 300) -> None:
+    """The trainer role under torchrun on ``config_path``; asserts it exits 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "i3core.trainer", str(config_path)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+async def wait_until_running(client, metrics_path: str = "/metrics", task=None) -> None:
+    """Until the server reports a running sequence (bounded: about 5 s), or ``task`` is done."""
+    for _ in range(500):
+        if (await client._request("GET", metrics_path))["running"] >= 1 or (task is not None and task.done()):
+            return
+        await asyncio.sleep(0.01)

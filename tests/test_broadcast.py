@@ -2,9 +2,8 @@
 and a whole run on it."""
 
 import asyncio
+import gc
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -18,7 +17,7 @@ from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.broadcast import Receiver, Sender
 from i3core.testing import make_component, plugin_manager
 
-from .conftest import ROOT
+from .conftest import QUICKSTART_FILESYSTEM_SYNC, quickstart_run, torchrun_trainer, wait_until_running
 from .test_trainer_distributed import MODEL, make_batches
 
 pytestmark = pytest.mark.slow
@@ -42,10 +41,7 @@ def test_a_server_takes_a_broadcast_in_flight_and_refuses_a_bad_one(tmp_path):
         client = source.client(url, tokenizer, [])
         try:
             long = asyncio.create_task(client.complete("abc", max_tokens=400, temperature=1.0, seed=1))
-            for _ in range(500):  # bounded: wait until the sequence is decoding
-                if (await client._request("GET", "/metrics"))["running"] == 1:
-                    break
-                await asyncio.sleep(0.005)
+            await wait_until_running(client, task=long)
             await asyncio.to_thread(sender.send, 1, iter_hf_tensors(v1))
             assert (await client.update_weights(None, 1))["version"] == 1
             in_flight = await long
@@ -57,12 +53,23 @@ def test_a_server_takes_a_broadcast_in_flight_and_refuses_a_bad_one(tmp_path):
             health = await client.health()
             still = await client.complete("abc", max_tokens=4, temperature=1.0)
             metrics = await client._request("GET", "/metrics")
-            return in_flight, after, health, still, metrics
+            rendezvous.close()  # the store goes away: the group is gone for good
+            del rendezvous.store
+            gc.collect()
+            broken = None
+            for _ in range(100):  # bounded: until the server has noticed
+                broken = await client.health()
+                if "weights_error" in broken:
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(ServerError, match="receiver stopped"):
+                await client.update_weights(None, 3)
+            return in_flight, after, health, still, metrics, broken
         finally:
             await client.close()
 
     try:
-        in_flight, after, health, still, metrics = asyncio.run(scenario())
+        in_flight, after, health, still, metrics, broken = asyncio.run(scenario())
     finally:
         source.close()
         rendezvous.close()
@@ -77,6 +84,7 @@ def test_a_server_takes_a_broadcast_in_flight_and_refuses_a_bad_one(tmp_path):
     assert after.versions == [1] * len(after.token_ids)
     assert health["version"] == 1 and still.versions == [1] * 4  # the bad version never went live
     assert metrics["updates"] == 1 and 0 < metrics["update_pause_s"] < 5
+    assert "weight receiver stopped" in broken["weights_error"] and broken["version"] == 1
 
 
 def test_an_fsdp2_trainer_streams_the_same_weights_it_would_write(tmp_path):
@@ -106,12 +114,7 @@ def test_an_fsdp2_trainer_streams_the_same_weights_it_would_write(tmp_path):
 
             thread = threading.Thread(target=receive, daemon=True)
             thread.start()
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-             "-m", "i3core.trainer", str(path)],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        torchrun_trainer(path, nproc)
         if rendezvous is not None:
             thread.join(timeout=60)
             rendezvous.close()
@@ -128,20 +131,9 @@ def test_an_fsdp2_trainer_streams_the_same_weights_it_would_write(tmp_path):
 
 
 def test_a_run_on_the_broadcast_sync(tmp_path):
-    config = (ROOT / "examples" / "quickstart.toml").read_text()
-    config = config.replace('use = "filesystem"          # safetensors in broadcasts/step_N/ + a STABLE marker\nkeep = 3',
-                            'use = "broadcast"')
-    assert 'use = "broadcast"' in config
-    path = tmp_path / "broadcast.toml"
-    path.write_text(config)
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "i3core.cli", "run", str(path), "--set", f"run.output_dir='{out}'",
-         "--set", "run.max_steps=5", "--set", "sft.steps=5"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc, out, rows = quickstart_run(tmp_path, "run.max_steps=5", "sft.steps=5",
+                                     replace={QUICKSTART_FILESYSTEM_SYNC: 'use = "broadcast"'})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["weights/served_version"] == 5 and rows[-1]["servers/live"] == 2
     assert not (out / "broadcasts" / "step_3").exists()  # nothing but version 0 went to disk

@@ -12,6 +12,8 @@ from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.filesystem import STABLE
 from i3core.testing import make_component
 
+from .conftest import wait_until_running
+
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
          "experts_per_token": 2, "moe_intermediate_size": 32}
 
@@ -101,10 +103,7 @@ def test_update_weights_mid_generation_and_pause_resume(served):
         client = InferenceClient(url, build_tokenizer(), stop_token_ids=[])
         try:
             long = asyncio.create_task(client.complete("abc", max_tokens=500, temperature=1.0, seed=1))
-            for _ in range(500):  # bounded: wait until the sequence is decoding
-                if (await client._request("GET", "/metrics"))["running"] == 1:
-                    break
-                await asyncio.sleep(0.005)
+            await wait_until_running(client, task=long)
             await client.pause()  # stop between two steps, swap, go on: the same sequence continues
             await client.update_weights(str(root / "v1"), version=1)
             await client.resume()

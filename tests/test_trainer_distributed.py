@@ -2,8 +2,6 @@
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,8 @@ from safetensors.torch import load_file
 from i3core.config import validate
 from i3core.packing import Sample, pack
 from i3core.testing import plugin_manager
+
+from .conftest import torchrun_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,7 @@ def train(tmp_path, nproc, steps=2, optimizer=None):
     config = validate(data, plugin_manager(installed=False))
     path = tmp_path / f"config{nproc}-{optimizer['use']}.json"
     path.write_text(json.dumps(config.to_dict()))
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         "-m", "i3core.trainer", str(path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    torchrun_trainer(path, nproc)
     weights = load_file(str(out / "broadcasts" / f"step_{steps}" / "model.safetensors"))
     metrics = json.loads((out / "trainer" / f"step_{steps}.json").read_text())
     return weights, metrics, out

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 
 import aiohttp
 import pytest
@@ -20,7 +19,7 @@ from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.broadcast import Sender
 from i3core.testing import make_component
 
-from .conftest import ROOT
+from .conftest import QUICKSTART_FILESYSTEM_SYNC, quickstart_run, wait_until_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -82,14 +81,6 @@ async def with_client(served, scenario):
         await client.close()
 
 
-async def started_decoding(client, task):
-    for _ in range(1000):  # bounded: until the long sequence is running on the engine
-        metrics = await client._request("GET", "/i3/metrics")
-        if metrics["running"] >= 1 or task.done():
-            return
-        await asyncio.sleep(0.01)
-
-
 def test_generation_matches_the_trainer_and_bad_requests_are_400(served):
     async def scenario(client):
         done = await client.complete("reverse abc:", max_tokens=24, temperature=1.0, seed=3)
@@ -104,13 +95,18 @@ def test_generation_matches_the_trainer_and_bad_requests_are_400(served):
             async with session.post(served["url"] + "/v1/completions",
                                     json={"prompt": "abc", "max_tokens": 3, "n": 2}) as response:
                 two = await response.json()
-        return done, statuses, two
+            long_prompt = {"prompt": [7] * 505, "max_tokens": 100, "stop_token_ids": []}  # max_len is 512
+            async with session.post(served["url"] + "/v1/completions", json=long_prompt) as response:
+                cut = (response.status, (await response.json())["choices"][0])
+        return done, statuses, two, cut
 
-    done, statuses, two = run(with_client(served, scenario))
+    done, statuses, two, cut = run(with_client(served, scenario))
     assert len(done.token_ids) > 0 and done.versions == [0] * len(done.token_ids)
     assert mean_abs_diff(served["models"][0], done) < 1e-3
     assert all(status == 400 and message for status, message in statuses), statuses
     assert len(two["choices"]) == 2 and all(len(c["versions"]) == len(c["token_ids"]) for c in two["choices"])
+    status, choice = cut  # like the builtin server: cut at max_len, not refused
+    assert status == 200 and choice["finish_reason"] == "length" and len(choice["token_ids"]) == 512 - 505
 
 
 def test_filesystem_then_broadcast_updates_land_in_flight(served):
@@ -119,7 +115,7 @@ def test_filesystem_then_broadcast_updates_land_in_flight(served):
 
     async def push(client, version):
         long = asyncio.create_task(client.complete("abc", max_tokens=300, temperature=1.0, seed=version))
-        await started_decoding(client, long)
+        await wait_until_running(client, "/i3/metrics", task=long)
         if version == 1:
             await client.update_weights(str(path), 1)
         else:
@@ -147,7 +143,7 @@ def test_bad_updates_are_refused_and_the_engine_keeps_serving(served):
     wrong = served["disk"].write(root, 3, lambda d: component.save_hf(small, d))
 
     async def scenario(client):
-        errors = []
+        errors, before = [], await client.health()
         with pytest.raises(ServerError, match="400") as bad_path:
             await client.update_weights(str(wrong), 3)
         errors.append(str(bad_path.value))
@@ -160,30 +156,19 @@ def test_bad_updates_are_refused_and_the_engine_keeps_serving(served):
             await client.update_weights(None, 4)
         errors.append(str(bad_broadcast.value))
         still = await client.complete("abc", max_tokens=16, temperature=1.0, seed=1)
-        return errors, still, await client.health()
+        return errors, still, before["version"], await client.health()
 
-    errors, still, health = run(with_client(served, scenario))
+    errors, still, live, health = run(with_client(served, scenario))
     assert all("do not fit" in e for e in errors), errors
-    assert health["version"] == 2 and still.versions == [2] * len(still.token_ids)
-    assert mean_abs_diff(models[2], still) < 1e-3
+    assert health["version"] == live and still.versions == [live] * len(still.token_ids)  # nothing changed
+    assert mean_abs_diff(models[live], still) < 1e-3
 
 
 def test_a_run_on_vllm_with_the_broadcast_sync(served, tmp_path):
-    config = (ROOT / "examples" / "quickstart.toml").read_text()
-    config = config.replace('use = "filesystem"          # safetensors in broadcasts/step_N/ + a STABLE marker\nkeep = 3',
-                            'use = "broadcast"')
-    config = config.replace('use = "builtin"\nservers = 2', f'use = "vllm"\nservers = 1\npython = {json.dumps(PYTHON)}')
-    assert 'use = "vllm"' in config and 'use = "broadcast"' in config
-    path = tmp_path / "vllm.toml"
-    path.write_text(config)
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "i3core.cli", "run", str(path), "--set", f"run.output_dir='{out}'",
-         "--set", "run.max_steps=3", "--set", "sft.steps=5"],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    proc, _, rows = quickstart_run(tmp_path, "run.max_steps=3", "sft.steps=5", timeout=900, replace={
+        QUICKSTART_FILESYSTEM_SYNC: 'use = "broadcast"',
+        'use = "builtin"\nservers = 2': f'use = "vllm"\nservers = 1\npython = {json.dumps(PYTHON)}'})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["weights/served_version"] == 3
     # The trainer's logprobs of version-0 tokens are vLLM's: the same numbers on both sides.
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-3

@@ -112,6 +112,8 @@ class VersionWaits:
     def __init__(self):
         self._futures: dict[int, asyncio.Future] = {}
         self.live = -1
+        self.failure: str | None = None
+        """Why no version can arrive any more (the receiver stopped); every wait then fails with it."""
 
     def wait(self, version: int) -> asyncio.Future:
         future = self._futures.get(version)
@@ -119,7 +121,21 @@ class VersionWaits:
             future = self._futures[version] = asyncio.get_running_loop().create_future()
             if self.live >= version:
                 future.set_result(self.live)
+            elif self.failure is not None:
+                self._reject(future, self.failure)
         return future
+
+    def fail(self, message: str) -> None:
+        """The receiver is gone: pending and later waits for versions not yet live fail with ``message``."""
+        self.failure = f"the weight receiver stopped: {message}"
+        for future in self._futures.values():
+            if not future.done():
+                self._reject(future, self.failure)
+
+    @staticmethod
+    def _reject(future: asyncio.Future, message: str) -> None:
+        future.set_exception(BadRequest(message))
+        future.add_done_callback(lambda f: f.exception())  # retrieved even if nobody waits
 
     def arrived(self, version: int) -> None:
         self.live = max(self.live, version)
@@ -132,5 +148,4 @@ class VersionWaits:
     def rejected(self, version: int, message: str) -> None:
         future = self.wait(version)
         if not future.done():
-            future.set_exception(BadRequest(f"weights of version {version} rejected: {message}"))
-            future.add_done_callback(lambda f: f.exception())  # retrieved even if nobody waits
+            self._reject(future, f"weights of version {version} rejected: {message}")

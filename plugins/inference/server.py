@@ -180,7 +180,10 @@ class Server:
         return envelope(kind, f"cmpl-{self.requests_served}", self.model_name, choices, prompt_ids)
 
     async def health(self, http: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "version": self.engine.version, "paused": self._paused})
+        body = {"status": "ok", "version": self.engine.version, "paused": self._paused}
+        if self._waits.failure is not None:
+            body["weights_error"] = self._waits.failure
+        return web.json_response(body)
 
     async def metrics(self, http: web.Request) -> web.Response:
         engine = self.engine
@@ -230,6 +233,9 @@ class Server:
         self._update = (state, version, done)
         self._wake.set()
         await done
+
+    def receiver_failed(self, message: str) -> None:
+        self._waits.fail(message)
 
     async def offer(self, state, version: int, error: str | None = None) -> None:
         """A version that arrived by broadcast: swap it in (or record why it could not be)."""
@@ -309,20 +315,24 @@ def make_app(server: Server, receiver=None) -> web.Application:
 
 
 def _receive_forever(server: Server, receiver, loop: asyncio.AbstractEventLoop) -> None:
-    """The receiver thread: take each broadcast version, check it off the engine task, hand it over."""
-    while True:
-        try:
+    """The receiver thread: take each broadcast version, check it off the engine task, hand it over.
+
+    A version that does not fit is refused and the next one awaited; anything else breaks the group
+    for good: every later wait for a version then fails with that reason, and ``/health`` says so.
+    """
+    try:
+        while True:
             version, tensors = receiver.receive()
-        except Exception as exc:  # a broken group cannot be rejoined: say so and stop receiving
-            print(json.dumps({"event": "weight receiver stopped", "error": f"{type(exc).__name__}: {exc}"}),
-                  flush=True)
-            return
-        try:
-            state, error = server.engine.stage_tensors(tensors), None
-        except ValueError as exc:
-            state, error = None, str(exc)
-        del tensors
-        asyncio.run_coroutine_threadsafe(server.offer(state, version, error), loop).result()
+            try:
+                state, error = server.engine.stage_tensors(tensors), None
+            except ValueError as exc:
+                state, error = None, str(exc)
+            del tensors
+            asyncio.run_coroutine_threadsafe(server.offer(state, version, error), loop).result()
+    except Exception as exc:  # a broken group cannot be rejoined
+        message = f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"event": "weight receiver stopped", "error": message}), flush=True)
+        loop.call_soon_threadsafe(server.receiver_failed, message)
 
 
 def main(argv=None) -> None:

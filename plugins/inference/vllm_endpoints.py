@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,6 @@ class I3Endpoints:
         self.update_pause_s = 0.0
         self.tokens_generated = 0
         self.requests_served = 0
-        self._receive_task = None
 
     # -- vLLM's plugin interface ---------------------------------------------------
 
@@ -115,7 +115,8 @@ class I3Endpoints:
         self.max_len = config.max_model_len
         self.tokenizer = await _tokenizer(engine_client)
         if self.receiver is not None:
-            self._receive_task = asyncio.get_running_loop().create_task(self._receive_forever())
+            threading.Thread(target=self._receive_forever, args=(asyncio.get_running_loop(),),
+                             name="weights-watcher", daemon=True).start()
 
     # -- HTTP ---------------------------------------------------------------------
 
@@ -136,8 +137,10 @@ class I3Endpoints:
     async def completions(self, body: dict) -> dict:
         prompt_ids = parse_prompt(body, self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         sampling = parse_sampling(body, self.max_len, [])
-        if len(prompt_ids) + sampling.max_tokens > self.max_len:
-            raise BadRequest(f"prompt ({len(prompt_ids)}) + max_tokens ({sampling.max_tokens}) exceeds {self.max_len}")
+        if len(prompt_ids) >= self.max_len:
+            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) leaves no room under max_len ({self.max_len})")
+        # Like the builtin server: a completion that reaches max_len stops there ("length").
+        sampling.max_tokens = min(sampling.max_tokens, self.max_len - len(prompt_ids))
         done = await asyncio.gather(*(self._generate(prompt_ids, sampling, i) for i in range(sampling.n)))
         self.requests_served += 1
         choices = [
@@ -204,7 +207,10 @@ class I3Endpoints:
         return {"status": "running", "version": self.version}
 
     async def health(self, body: dict) -> dict:
-        return {"status": "ok", "version": self.version, "paused": self._paused, "engine": "vllm"}
+        health = {"status": "ok", "version": self.version, "paused": self._paused, "engine": "vllm"}
+        if self._waits.failure is not None:
+            health["weights_error"] = self._waits.failure
+        return health
 
     async def metrics(self, body: dict) -> dict:
         return {"version": self.version, "running": len(self.active), "updates": self.updates,
@@ -219,14 +225,21 @@ class I3Endpoints:
             start = time.perf_counter()
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                (result,) = await self.engine.collective_rpc(method, args=args)
+                results = await self.engine.collective_rpc(method, args=args)
+                if len(results) != 1:
+                    raise ValueError(f"{len(results)} vLLM workers answered: i3core's weight updates serve "
+                                     "one worker per server (no tensor parallelism yet)")
+                (result,) = results
                 if self.prefix_caching:
                     await self.engine.reset_prefix_cache()
-                by_request = {internal.rsplit("-", 1)[0]: n for internal, n in result["counts"].items()}
                 if result["version"] is not None:
                     version = result["version"]
+                counts = result["counts"]
                 for request_id, tracked in self.active.items():
-                    tracked.fences.append((by_request.get(request_id, len(tracked.token_ids)), version))
+                    # vLLM's own id is ours plus "-<suffix>"; a request it does not hold yet has made no token.
+                    made = next((n for internal, n in counts.items()
+                                 if internal == request_id or internal.startswith(request_id + "-")), None)
+                    tracked.fences.append((len(tracked.token_ids) if made is None else made, version))
                 self.version = version
                 self.updates += 1
             except Exception as exc:  # vLLM hands a worker's exception back as a plain one
@@ -237,19 +250,30 @@ class I3Endpoints:
                 self.update_pause_s += time.perf_counter() - start
             return result
 
-    async def _receive_forever(self) -> None:
-        """Watch the broadcast group's store for each round, then have the worker take it."""
+    def _receive_forever(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A daemon thread: watch the broadcast group's store for each round, then have the worker take it.
+
+        The watcher only reads the store (it never joins the group or touches a device). A version
+        that does not fit is refused; any other failure stops receiving for good, and every later
+        wait for a version fails with that reason.
+        """
         from i3core.plugins.weight_sync.broadcast import Receiver
 
-        watcher = await asyncio.to_thread(Receiver.from_spec, self.receiver, self.rank)
-        while True:
-            version = await asyncio.to_thread(watcher.wait_round)
-            try:
-                await self._apply(version, "i3_receive", (self.receiver, self.rank))
-            except ValueError as exc:
-                self._waits.rejected(version, str(exc))
-                continue
-            self._waits.arrived(version)
+        try:
+            watcher = Receiver.from_spec(self.receiver, self.rank)
+            while True:
+                version = watcher.wait_round()
+                try:
+                    asyncio.run_coroutine_threadsafe(self._apply(version, "i3_receive", (self.receiver, self.rank)),
+                                                     loop).result()
+                except ValueError as exc:
+                    loop.call_soon_threadsafe(self._waits.rejected, version, str(exc))
+                    continue
+                loop.call_soon_threadsafe(self._waits.arrived, version)
+        except Exception as exc:  # a broken group cannot be rejoined
+            message = f"{type(exc).__name__}: {_first_line(exc)}"
+            print(json.dumps({"event": "weight receiver stopped", "error": message}), flush=True)
+            loop.call_soon_threadsafe(self._waits.fail, message)
 
 
 async def _json_body(request) -> dict:

@@ -65,7 +65,7 @@ class VllmSource(ServerProcesses):
         probe = "import vllm, i3core.plugins.inference.vllm_endpoints; print(vllm.__version__)"
         try:
             result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
-        except OSError as exc:
+        except (OSError, subprocess.TimeoutExpired) as exc:
             raise I3Error(f"inference.python {python!r} cannot run: {exc}") from None
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]

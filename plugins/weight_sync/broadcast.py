@@ -1,7 +1,8 @@
 """``broadcast``: weights streamed from trainer rank 0 to every inference server over one torch.distributed group.
 
 The group holds trainer rank 0 (rank 0 of the group) and one receiver per
-inference server (ranks 1..S): gloo on CPU, NCCL on GPU, the same code. It
+inference server (ranks 1..S): gloo on CPU, NCCL on GPU, the same code (one
+``backend`` for every member, from the config; NCCL needs a GPU per member). It
 is separate from the trainer's own torchrun group, built from a TCPStore that
 the run driver hosts (:meth:`BroadcastSync.host`, address in
 ``broadcasts/rendezvous.json``).
@@ -44,12 +45,6 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _WAIT_S = 5.0
 """A receiver re-arms its wait for the next round this often (the store wait itself is bounded)."""
 _RENDEZVOUS_WAIT_S = 120.0
-
-
-def _backend(name: str) -> str:
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return name
 
 
 def _group(backend: str, store, rank: int, world: int, timeout: datetime.timedelta):
@@ -102,6 +97,7 @@ class Rendezvous:
         atomic_write_bytes(self.path, json.dumps(info).encode())
 
     def close(self) -> None:
+        """Stop hosting: members still connected lose the store (and with it the group)."""
         self.path.unlink(missing_ok=True)
         self.store = None
 
@@ -112,15 +108,16 @@ class _Member:
         self.rank, self.world = rank, info["world"]
         if not 0 <= rank < self.world:
             raise I3Error(f"broadcast rank {rank} outside the group of {self.world}")
-        self.backend = _backend(backend)
+        self.backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(info["host"], info["port"], is_master=False, timeout=self.timeout)
-        self.device = _device(self.backend)
+        self.device = torch.device("cpu")
         self.group = None
         self.round = 0
 
     def _join(self) -> None:
-        if self.group is None:
+        if self.group is None:  # the device only now: a member that just watches the store never touches CUDA
+            self.device = _device(self.backend)
             self.group = _group(self.backend, self.store, self.rank, self.world, self.timeout)
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -131,7 +128,7 @@ class _Member:
 class Sender(_Member):
     """Trainer rank 0's end of the group."""
 
-    def __init__(self, rendezvous: Path, backend: str = "auto", timeout_s: float = 600.0):
+    def __init__(self, rendezvous: Path, backend: str = "gloo", timeout_s: float = 600.0):
         super().__init__(rendezvous, 0, backend, timeout_s)
 
     def send(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -155,7 +152,7 @@ class Sender(_Member):
 class Receiver(_Member):
     """One inference server's end of the group (ranks 1..S)."""
 
-    def __init__(self, rendezvous: Path, rank: int, backend: str = "auto", timeout_s: float = 600.0):
+    def __init__(self, rendezvous: Path, rank: int, backend: str = "gloo", timeout_s: float = 600.0):
         if rank < 1:
             raise I3Error(f"a receiver's broadcast rank starts at 1, got {rank}")
         super().__init__(rendezvous, rank, backend, timeout_s)
@@ -163,7 +160,7 @@ class Receiver(_Member):
     @classmethod
     def from_spec(cls, spec: dict, rank: int) -> "Receiver":
         """Built from :meth:`BroadcastSync.receiver` (what the rollout source hands each server)."""
-        return cls(Path(spec["rendezvous"]), rank, spec.get("backend", "auto"), spec.get("timeout_s", 600.0))
+        return cls(Path(spec["rendezvous"]), rank, spec.get("backend", "gloo"), spec.get("timeout_s", 600.0))
 
     def wait_round(self) -> int:
         """Block until the trainer announces the next update; its version."""
@@ -208,7 +205,8 @@ class BroadcastSync:
 
         host: str = Field("127.0.0.1", description="Address the rendezvous store listens on.")
         port: int = Field(0, ge=0, le=65535, description="Rendezvous store port (0: a free one).")
-        backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: NCCL with CUDA, else gloo.")
+        backend: Literal["gloo", "nccl"] = Field(
+            "gloo", description="gloo (CPU tensors, any member) or NCCL (every member on a GPU of its own).")
         timeout_s: float = Field(600.0, gt=0, description="Longest one broadcast (or the group's set-up) may take.")
 
     def __init__(self, config: Config):
@@ -248,9 +246,9 @@ class BroadcastSync:
             for _ in tensors:  # take part in each layer's gather
                 pass
             return
-        if self._sender is None:
-            self._sender = Sender(root / RENDEZVOUS, self.config.backend, self.config.timeout_s)
         try:
+            if self._sender is None:
+                self._sender = Sender(root / RENDEZVOUS, self.config.backend, self.config.timeout_s)
             self._sender.send(weights.version, tensors)
         except (RuntimeError, dist.DistError) as exc:
             raise I3Error(f"weight broadcast of version {weights.version} failed: {exc}") from exc

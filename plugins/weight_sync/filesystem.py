@@ -17,9 +17,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from i3core.errors import I3Error
 from i3core.files import atomic_write_bytes
+
+log = structlog.get_logger("i3core.weight_sync")
 
 STABLE = "STABLE"
 """Marker file: a version is complete once it exists."""
@@ -42,7 +46,11 @@ def reading(path: Path) -> Iterator[Path]:
     except FileNotFoundError:
         raise VersionGone(f"no {STABLE} marker under {path}: not a complete weight version") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as exc:  # a filesystem without locks: read unprotected rather than not at all
+            log.warning("no reader lease on this filesystem: pruning cannot see this read", path=str(path),
+                        error=str(exc))
         try:  # the pruner may have moved the directory away between our open and our lock
             same = os.stat(marker).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -58,7 +66,7 @@ def _try_remove(path: Path) -> bool:
     """Delete the version directory ``path`` unless a reader holds it; True when it is gone."""
     marker = path / STABLE
     try:
-        fd = os.open(marker, os.O_RDONLY)
+        fd = os.open(marker, os.O_RDWR)  # NFS emulates flock with fcntl locks: an exclusive one needs write access
     except FileNotFoundError:  # never completed (a crashed publish): nobody can be reading it
         shutil.rmtree(path, ignore_errors=True)
         return True
@@ -67,6 +75,8 @@ def _try_remove(path: Path) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        except OSError as exc:  # no locks here: prune as if nobody read it
+            log.warning("no reader leases on this filesystem: pruning unprotected", path=str(path), error=str(exc))
         trash = path.with_name(f".{path.name}.deleting")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(path, trash)  # under the lock: a reader that opens later finds no marker
@@ -121,7 +131,7 @@ class FilesystemSync:
         shutil.rmtree(staging, ignore_errors=True)
         save(staging)
         if target.exists() and not _try_remove(target):
-            raise RuntimeError(f"cannot replace weight version {version}: a server is reading it")
+            raise I3Error(f"cannot replace weight version {version}: a server is reading it")
         os.replace(staging, target)
         atomic_write_bytes(target / STABLE, b"")
         self.prune(root, version)
