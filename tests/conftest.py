@@ -69,3 +69,15 @@ async def wait_until_running(client, metrics_path: str = "/metrics", task=None) 
         if (await client._request("GET", metrics_path))["running"] >= 1 or (task is not None and task.done()):
             return
         await asyncio.sleep(0.01)
+
+
+def abs_logprob_diffs(model, completion):
+    """|server logprob - trainer logprob| per token of ``completion`` under the torch ``model``."""
+    import torch
+
+    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model.logits(model(ids)).float(), dim=-1)[0]
+    start = len(completion.prompt_ids) - 1
+    ref = torch.stack([logprobs[start + i, t] for i, t in enumerate(completion.token_ids)])
+    return (ref - torch.tensor(completion.logprobs)).abs()

@@ -19,7 +19,7 @@ from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.broadcast import Sender
 from i3core.testing import make_component
 
-from .conftest import QUICKSTART_FILESYSTEM_SYNC, quickstart_run, wait_until_running
+from .conftest import QUICKSTART_FILESYSTEM_SYNC, abs_logprob_diffs, quickstart_run, wait_until_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -64,13 +64,7 @@ def run(coro):
 
 
 def mean_abs_diff(model, completion) -> float:
-    """Mean |vLLM logprob - trainer logprob| over the completion's tokens."""
-    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model.logits(model(ids)).float(), dim=-1)[0]
-    start = len(completion.prompt_ids) - 1
-    ref = torch.stack([logprobs[start + i, t] for i, t in enumerate(completion.token_ids)])
-    return float((ref - torch.tensor(completion.logprobs)).abs().mean())
+    return float(abs_logprob_diffs(model, completion).mean())
 
 
 async def with_client(served, scenario):
@@ -132,6 +126,10 @@ def test_filesystem_then_broadcast_updates_land_in_flight(served):
     for version, in_flight, after in ((1, fs_in_flight, fs_after), (2, bc_in_flight, bc_after)):
         versions = in_flight.versions
         assert versions[0] == version - 1 and versions[-1] == version and versions == sorted(versions), versions
+        # The fence is exact: every token tagged with the old version was sampled by the old weights from an
+        # old-weights prefix, so the old model reproduces each one (a token of the new weights tagged old would not).
+        old = versions.count(version - 1)
+        assert float(abs_logprob_diffs(models[version - 1], in_flight)[:old].max()) < 1e-3
         assert after.versions == [version] * len(after.token_ids)
         assert mean_abs_diff(models[version], after) < 1e-3
     assert health["version"] == 2
