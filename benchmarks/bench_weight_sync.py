@@ -1,8 +1,9 @@
 """Weight sync: how long generation pauses per update, and each transport's bandwidth against memcpy.
 
-For the quickstart model and a ~100M-parameter tiny-moe, and for each transport
-(``filesystem``, ``broadcast``), one real builtin server process on 127.0.0.1
-keeps generating (``--streams`` completions always in flight) while this
+For the quickstart model and a ~100M-parameter tiny-moe, for each backend
+(``builtin``; ``vllm`` too when ``$I3CORE_VLLM_PYTHON`` names a vLLM environment)
+and each transport (``filesystem``, ``broadcast``), one real server process on
+127.0.0.1 keeps generating (``--streams`` completions always in flight) while this
 process plays trainer rank 0 and pushes ``--updates`` new versions:
 
 - filesystem: write ``step_N/`` (HF safetensors + STABLE) with the weight
@@ -17,14 +18,17 @@ the directory written or the last byte broadcast); ``pause_ms`` is how long the 
 swapping (its ``update_pause_s`` per update); ``bandwidth_over_memcpy`` is the
 HF bytes of one version / ``update_ms``, over the bytes/s of a plain in-memory
 copy of the same bytes measured in the same run (the physical limit on one
-machine). Medians over the updates. Last line JSON: ``results`` (one object per
-transport and size: ``transport``, ``params``, ``pause_ms``,
+machine). Medians over the updates. On vLLM the pause covers the whole update:
+the engine pauses (running sequences kept) while its worker reads or receives the
+weights. Last line JSON: ``results`` (one object per backend, transport and size:
+``backend``, ``transport``, ``params``, ``pause_ms``,
 ``bandwidth_over_memcpy``, ...) and ``memcpy_gb_s``.
 """
 
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -64,17 +68,19 @@ async def keep_generating(client, stop: asyncio.Event) -> int:
     return done
 
 
-async def measure(transport: str, size: str, updates: int, streams: int, work: Path) -> dict:
+async def measure(backend: str, transport: str, size: str, updates: int, streams: int, work: Path) -> dict:
     component = make_component("model", "tiny-moe", **SIZES[size])
     models = [component.build(seed=s) for s in range(2)]
     nbytes = sum(t.numel() * t.element_size() for _, t in component.hf_tensors(models[0]))
-    root = work / f"{transport}-{size}" / "broadcasts"
+    root = work / f"{backend}-{transport}-{size}" / "broadcasts"
     sync = make_component("weight_sync", transport, **({"backend": "gloo"} if transport == "broadcast" else {}))
     fs = sync if transport == "filesystem" else make_component("weight_sync", "filesystem", keep=2)
     fs.write(root, 0, lambda d: component.save_hf(models[0], d))
     rendezvous = sync.host(root, receivers=1) if transport == "broadcast" else None
     receiver = sync.receiver(root)
-    source = make_component("rollout_source", "builtin", servers=1, max_slots=streams, max_len=128)
+    options = {"python": os.environ.get("I3CORE_VLLM_PYTHON")} if backend == "vllm" else {}
+    source = make_component("rollout_source", backend, servers=1, max_slots=streams, max_len=128, **options)
+    metrics_path = "/i3/metrics" if backend == "vllm" else "/metrics"
     extra = {"receiver": receiver} if receiver else {}
     (url,) = await asyncio.to_thread(source.start, sync.location(root, 0), work / "logs", **extra)
     sender = Sender(rendezvous.path, "gloo") if rendezvous is not None else None
@@ -84,7 +90,7 @@ async def measure(transport: str, size: str, updates: int, streams: int, work: P
     times, pushes = [], []
     try:
         await asyncio.sleep(1.0)  # decoding is under way
-        before = await client._request("GET", "/metrics")
+        before = await client._request("GET", metrics_path)
         for version in range(1, updates + 1):
             model = models[version % 2]
             start = time.perf_counter()
@@ -97,7 +103,7 @@ async def measure(transport: str, size: str, updates: int, streams: int, work: P
                 pushes.append(time.perf_counter() - start)
                 await client.update_weights(None, version)
             times.append(time.perf_counter() - start)
-        after = await client._request("GET", "/metrics")
+        after = await client._request("GET", metrics_path)
         stop.set()
         completions = sum(await asyncio.gather(*generators))
     finally:
@@ -111,6 +117,7 @@ async def measure(transport: str, size: str, updates: int, streams: int, work: P
     swaps = after["updates"] - before["updates"]
     update_s = statistics.median(times)
     return {
+        "backend": backend,
         "transport": transport,
         "params": num_parameters(models[0]),
         "size": size,
@@ -129,15 +136,18 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--streams", type=int, default=4, help="completions kept in flight on the server")
     parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--backends", default="builtin,vllm" if os.environ.get("I3CORE_VLLM_PYTHON") else "builtin",
+                        help="builtin and/or vllm (vllm needs $I3CORE_VLLM_PYTHON)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
-        for size in args.sizes.split(","):
-            for transport in ("filesystem", "broadcast"):
-                result = asyncio.run(measure(transport, size, args.updates, args.streams, Path(tmp)))
-                print(transport, size, json.dumps(result), file=sys.stderr, flush=True)
-                results.append(result)
+        for backend in args.backends.split(","):
+            for size in args.sizes.split(","):
+                for transport in ("filesystem", "broadcast"):
+                    result = asyncio.run(measure(backend, transport, size, args.updates, args.streams, Path(tmp)))
+                    print(json.dumps(result), file=sys.stderr, flush=True)
+                    results.append(result)
     memcpy = {size: memcpy_bytes_per_s(next(r["bytes"] for r in results if r["size"] == size))
               for size in {r["size"] for r in results}}
     for result in results:

@@ -7,6 +7,7 @@ and rank 0 saves the full final state, the per-step times and the collective cou
 """
 
 import json
+import os
 import sys
 import time
 
@@ -64,7 +65,14 @@ def main() -> None:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save({"state": state, "times": times, "collectives": optimizer.collectives}, out)
+    dist.barrier()  # no rank tears its group down while another still has work in flight
     dist.destroy_process_group()
+    # Seen here now and then: after every rank has destroyed its group and its results are saved, a
+    # rank aborts in C++ teardown at interpreter exit ("terminate called without an active exception").
+    # Leave without running those destructors; the work is done and on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
