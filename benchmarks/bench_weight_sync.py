@@ -87,10 +87,10 @@ async def measure(backend: str, transport: str, size: str, updates: int, streams
     client = source.client(url, build_tokenizer(), [])
     stop = asyncio.Event()
     generators = [asyncio.create_task(keep_generating(client, stop)) for _ in range(streams)]
-    times, pushes = [], []
+    times, pushes, pauses = [], [], []
     try:
         await asyncio.sleep(1.0)  # decoding is under way
-        before = await client._request("GET", metrics_path)
+        before = first = await client._request("GET", metrics_path)
         for version in range(1, updates + 1):
             model = models[version % 2]
             start = time.perf_counter()
@@ -103,7 +103,10 @@ async def measure(backend: str, transport: str, size: str, updates: int, streams
                 pushes.append(time.perf_counter() - start)
                 await client.update_weights(None, version)
             times.append(time.perf_counter() - start)
-        after = await client._request("GET", metrics_path)
+            now = await client._request("GET", metrics_path)
+            pauses.append(now["update_pause_s"] - before["update_pause_s"])
+            before = now
+        after = now
         stop.set()
         completions = sum(await asyncio.gather(*generators))
     finally:
@@ -114,7 +117,7 @@ async def measure(backend: str, transport: str, size: str, updates: int, streams
         source.close()
         if rendezvous is not None:
             rendezvous.close()
-    swaps = after["updates"] - before["updates"]
+    swaps = after["updates"] - first["updates"]
     update_s = statistics.median(times)
     return {
         "backend": backend,
@@ -122,7 +125,8 @@ async def measure(backend: str, transport: str, size: str, updates: int, streams
         "params": num_parameters(models[0]),
         "size": size,
         "bytes": nbytes,
-        "pause_ms": round(1000 * (after["update_pause_s"] - before["update_pause_s"]) / max(swaps, 1), 2),
+        "pause_ms": round(1000 * statistics.median(pauses), 2),
+        "pause_ms_max": round(1000 * max(pauses), 2),
         "update_ms": round(1000 * update_s, 1),
         "push_ms": round(1000 * statistics.median(pushes), 1),
         "bytes_per_s": round(nbytes / update_s),
