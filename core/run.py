@@ -141,7 +141,7 @@ def train(run: Run) -> None:
         if keep is not None and keep <= lag:
             raise I3Error(f"weight_sync.keep ({keep}) must exceed scheduler.weight_update_lag ({lag}): "
                           "the servers load versions that old")
-        receiver = sync.receiver(paths.broadcasts)
+        receiver = sync.receiver(paths.broadcasts) if hasattr(sync, "receiver") else None
         if receiver is not None:
             if lag:
                 raise I3Error(f"scheduler.weight_update_lag ({lag}) needs weights the orchestrator hands out "
