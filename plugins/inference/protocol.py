@@ -6,6 +6,7 @@ the vLLM API process imports it without the builtin engine.
 """
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,17 @@ class BadRequest(ValueError):
 
 def error_body(message: str) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error"}}
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object."""
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
 
 
 def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
@@ -149,3 +161,11 @@ class VersionWaits:
         future = self.wait(version)
         if not future.done():
             self._reject(future, f"weights of version {version} rejected: {message}")
+
+
+def report_receiver_stopped(waits: VersionWaits, loop: asyncio.AbstractEventLoop, exc: BaseException,
+                            message: str | None = None) -> None:
+    """From a receiver thread that has died: log one JSON line and fail every later version wait."""
+    message = message or f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"event": "weight receiver stopped", "error": message}), flush=True)
+    loop.call_soon_threadsafe(waits.fail, message)

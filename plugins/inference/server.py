@@ -37,13 +37,14 @@ from i3core.plugins.inference.protocol import (
     completion_choice,
     envelope,
     error_body,
+    parse_json_object,
     parse_prompt,
     parse_sampling,
+    report_receiver_stopped,
 )
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
 from i3core.plugins.weight_sync.filesystem import reading
-
 
 
 class Server:
@@ -234,9 +235,6 @@ class Server:
         self._wake.set()
         await done
 
-    def receiver_failed(self, message: str) -> None:
-        self._waits.fail(message)
-
     async def offer(self, state, version: int, error: str | None = None) -> None:
         """A version that arrived by broadcast: swap it in (or record why it could not be)."""
         if error is not None:
@@ -263,13 +261,7 @@ def builtin_server(model_dir: Path, *, max_slots: int, max_len: int, version: in
 
 
 async def _json_body(http: web.Request) -> dict:
-    try:
-        body = await http.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+    return parse_json_object(await http.read())
 
 
 @web.middleware
@@ -330,9 +322,7 @@ def _receive_forever(server: Server, receiver, loop: asyncio.AbstractEventLoop) 
             del tensors
             asyncio.run_coroutine_threadsafe(server.offer(state, version, error), loop).result()
     except Exception as exc:  # a broken group cannot be rejoined
-        message = f"{type(exc).__name__}: {exc}"
-        print(json.dumps({"event": "weight receiver stopped", "error": message}), flush=True)
-        loop.call_soon_threadsafe(server.receiver_failed, message)
+        report_receiver_stopped(server._waits, loop, exc)
 
 
 def main(argv=None) -> None:

@@ -36,8 +36,10 @@ from i3core.plugins.inference.protocol import (
     completion_choice,
     envelope,
     error_body,
+    parse_json_object,
     parse_prompt,
     parse_sampling,
+    report_receiver_stopped,
 )
 
 SETTINGS_ENV = "I3CORE_VLLM"
@@ -126,7 +128,7 @@ class I3Endpoints:
 
         async def handle(request: Request):
             try:
-                body = {} if request.method == "GET" else await _json_body(request)
+                body = {} if request.method == "GET" else parse_json_object(await request.body())
                 return JSONResponse(await method(body))
             except BadRequest as exc:
                 return JSONResponse(error_body(str(exc)), status_code=400)
@@ -271,19 +273,7 @@ class I3Endpoints:
                     continue
                 loop.call_soon_threadsafe(self._waits.arrived, version)
         except Exception as exc:  # a broken group cannot be rejoined
-            message = f"{type(exc).__name__}: {_first_line(exc)}"
-            print(json.dumps({"event": "weight receiver stopped", "error": message}), flush=True)
-            loop.call_soon_threadsafe(self._waits.fail, message)
-
-
-async def _json_body(request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+            report_receiver_stopped(self._waits, loop, exc, f"{type(exc).__name__}: {_first_line(exc)}")
 
 
 async def _tokenizer(engine_client):

@@ -204,9 +204,8 @@ class MuonOptimizer(torch.optim.Optimizer):
         sizes = [c * p.shape[1] for c, (p, _) in zip(chunks, gathered)]
         owners = [i % world for i in range(len(gathered))]
         # Send: to each owner r, my padded shard of every matrix r owns (in matrix order).
-        send = torch.cat([_pad_rows(g, c).reshape(-1) for (_, g), c in zip(gathered, chunks)])
         send_order = sorted(range(len(gathered)), key=lambda i: owners[i])
-        send = torch.cat([send[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in send_order])
+        send = torch.cat([_pad_rows(gathered[i][1], chunks[i]).reshape(-1) for i in send_order])
         send_splits = [sum(sizes[i] for i in send_order if owners[i] == r) for r in range(world)]
         mine = [i for i in range(len(gathered)) if owners[i] == rank]
         recv_splits = [sum(sizes[i] for i in mine)] * world
