@@ -31,6 +31,19 @@ class RolloutMasked(I3Error):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
+class SandboxError(I3Error):
+    """A sandbox itself failed (it could not start, died, or its agent stopped answering).
+
+    Not raised for a command that fails inside a healthy sandbox: that is an
+    :class:`~i3core.types.ExecResult`. A rollout whose sandbox fails is masked.
+    """
+
+
+class SandboxFileError(I3Error):
+    """A ``read_file``/``write_file`` path was refused: outside the work directory, through a symlink,
+    missing, or too large. The sandbox is still healthy."""
+
+
 class ConfigError(I3Error):
     """A plugins.toml has problems; ``problems`` holds every one of them."""
 

@@ -4,13 +4,13 @@ A component is built as ``cls(config)`` from its registered class; these are
 the methods the core calls on it afterwards.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from i3core.types import Completion, Example, LossInputs, LossOutput, Rollout
+from i3core.types import Completion, Example, ExecResult, LossInputs, LossOutput, Rollout
 
 
 @runtime_checkable
@@ -86,3 +86,54 @@ class MetricSink(Protocol):
 
     def close(self) -> None:
         """Flush and release; called once, also after a failure."""
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """One isolated place to run model-written code, with a private work directory.
+
+    Paths given to ``write_file``/``read_file`` are relative to the work
+    directory (which is also each command's working directory); anything that
+    leaves it, directly or through a symlink, raises
+    :class:`~i3core.errors.SandboxFileError`. A failure of the sandbox itself
+    raises :class:`~i3core.errors.SandboxError`; a failing command does not.
+    """
+
+    id: str
+
+    async def exec(self, cmd: str | Sequence[str], timeout: float | None = None) -> ExecResult:
+        """Run ``cmd`` (an argv list, or a string for ``/bin/sh -c``) in the work directory.
+
+        ``timeout`` in seconds (None: the backend's default); on expiry every
+        process the command started is killed and ``timed_out`` is set.
+        """
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        """Create or replace ``path`` (str is written as UTF-8); parent directories are made."""
+
+    async def read_file(self, path: str) -> bytes:
+        """The bytes of ``path``, at most the backend's ``max_file_bytes``."""
+
+    async def reset(self) -> None:
+        """Kill every process of the sandbox and empty its work directory, for reuse by another rollout."""
+
+    async def alive(self) -> bool:
+        """Whether the sandbox still works (cheap; the pool polls it during a rollout)."""
+
+    async def close(self) -> None:
+        """Kill every process the sandbox started and free it; idempotent."""
+
+    async def __aenter__(self) -> "Sandbox": ...
+
+    async def __aexit__(self, *exc_info) -> None: ...
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """Makes sandboxes; the ``[sandbox]`` component."""
+
+    async def create(self) -> Sandbox:
+        """A new, started sandbox; raises :class:`~i3core.errors.SandboxError` if it cannot start."""
+
+    async def aclose(self) -> None:
+        """Close every sandbox this backend made that is still open, and release the backend."""

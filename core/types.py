@@ -131,3 +131,33 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str = "stop"
+
+
+@dataclass
+class ExecResult:
+    """What one command run in a sandbox did.
+
+    :ivar exit_code: the command's exit status; negative ``-N`` when signal N
+        ended it; ``None`` when it never finished (timed out and killed).
+    :ivar stdout, stderr: decoded UTF-8 (undecodable bytes replaced), each at
+        most the backend's ``max_output_bytes``.
+    :ivar timed_out: the command ran past its timeout and was killed, with
+        every process it started.
+    :ivar oom_killed: the memory limit killed a process of the command;
+        ``None`` where the backend cannot tell.
+    :ivar truncated: stdout or stderr was longer than ``max_output_bytes``; the
+        rest was read and thrown away.
+    :ivar duration_s: wall time from start to the last byte of output.
+    """
+
+    exit_code: int | None
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    oom_killed: bool | None = None
+    truncated: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out

@@ -1,0 +1,174 @@
+"""What every sandbox backend shares: the limits config, argv, capped output and safe paths.
+
+The threat model of each backend opens its own module; this one only holds
+the pieces that make the backends agree on the exec protocol
+(:class:`i3core.protocols.Sandbox`).
+"""
+
+import asyncio
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from i3core.errors import SandboxFileError
+
+READ_CHUNK = 64 * 1024
+"""Bytes per read of a command's output; beyond the cap the rest is read and dropped, so the writer never blocks."""
+
+
+class SandboxConfig(BaseModel):
+    """Limits every backend applies; a backend's ``Config`` extends it with its own fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(30.0, gt=0, description="Default exec timeout in seconds.")
+    max_output_bytes: int = Field(1 << 20, ge=1, description="Bytes kept of each of stdout and stderr; the rest "
+                                  "is dropped and the result marked truncated.")  # fmt: skip
+    max_file_bytes: int = Field(16 << 20, ge=1, description="Largest file read_file returns.")
+    memory_mb: int = Field(512, ge=16, description="Memory limit of the sandbox (all its processes).")
+    pids: int = Field(128, ge=8, description="Most processes and threads alive in the sandbox at once.")
+    cpus: float = Field(1.0, gt=0, description="CPU cores the sandbox may use at once.")
+    file_size_mb: int = Field(256, ge=1, description="Largest file a command may write.")
+    workdir: str = Field("/work", pattern=r"^/[^\x00]*$", description="The work directory inside the sandbox.")
+
+
+def argv(cmd: str | Sequence[str]) -> list[str]:
+    """The argv of ``cmd``: a string runs under ``/bin/sh -c``, a sequence as it is."""
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", cmd]
+    args = list(cmd)
+    if not args or not all(isinstance(a, str) for a in args):
+        raise ValueError(f"exec needs a shell string or a non-empty list of strings, got {cmd!r}")
+    return args
+
+
+def decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+async def read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """Read ``stream`` to its end; keep the first ``cap`` bytes. :return: (kept, truncated)."""
+    kept = bytearray()
+    truncated = False
+    while chunk := await stream.read(READ_CHUNK):
+        room = cap - len(kept)
+        if len(chunk) > room:
+            truncated = True
+            chunk = chunk[: max(room, 0)]
+        kept += chunk
+    return bytes(kept), truncated
+
+
+def relative_path(path: str, workdir: str) -> PurePosixPath:
+    """``path`` relative to the work directory: relative, or absolute inside ``workdir``; never ``..``.
+
+    :raises SandboxFileError: for anything that would leave the work directory.
+    """
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise SandboxFileError(f"invalid path {path!r}")
+    pure = PurePosixPath(path)
+    if pure.is_absolute():
+        try:
+            pure = pure.relative_to(workdir)
+        except ValueError:
+            raise SandboxFileError(f"{path!r} is outside the work directory {workdir}") from None
+    if ".." in pure.parts or not pure.parts:
+        raise SandboxFileError(f"{path!r} is not a file inside the work directory {workdir}")
+    return pure
+
+
+def _open_dir_beneath(root_fd: int, parts: Sequence[str], create: bool, uid: int = -1, gid: int = -1) -> int:
+    """An fd of the directory ``root/parts``, walked one component at a time without following symlinks;
+    with ``create``, missing directories are made (owned by ``uid``/``gid``)."""
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            if create:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    if uid != -1 or gid != -1:
+                        os.chown(part, uid, gid, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise SandboxFileError(f"{part!r}: {exc.strerror} (a symlink or not a directory?)") from None
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``root/rel``, refusing symlinks anywhere on the way and special files."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_fd = _open_dir_beneath(root_fd, rel.parts[:-1], create=False)
+    finally:
+        os.close(root_fd)
+    try:
+        try:
+            fd = os.open(rel.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise SandboxFileError(f"{str(rel)!r}: no such file") from None
+        except OSError as exc:
+            raise SandboxFileError(f"{str(rel)!r}: {exc.strerror} (a symlink?)") from None
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise SandboxFileError(f"{str(rel)!r} is not a regular file")
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise SandboxFileError(f"{str(rel)!r} is larger than max_file_bytes ({max_bytes})")
+    return data
+
+
+def write_beneath(root: Path, rel: PurePosixPath, data: bytes, uid: int = -1, gid: int = -1) -> None:
+    """Create or replace ``root/rel`` (parents made), refusing symlinks anywhere on the way.
+
+    The file is written under a temporary name and renamed over ``rel``, so a
+    symlink or FIFO the sandbox left at ``rel`` is replaced, never followed.
+    ``uid``/``gid`` (-1: unchanged) own the new file and directories.
+    """
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_fd = _open_dir_beneath(root_fd, rel.parts[:-1], create=True, uid=uid, gid=gid)
+    finally:
+        os.close(root_fd)
+    try:
+        tmp = f".{rel.parts[-1]}.i3tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                if uid != -1 or gid != -1:
+                    os.fchown(file.fileno(), uid, gid)
+            os.rename(tmp, rel.parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    except IsADirectoryError:
+        raise SandboxFileError(f"{str(rel)!r} is a directory") from None
+    finally:
+        os.close(dir_fd)
+
+
+class SandboxBase:
+    """The async context manager every sandbox is: ``async with await backend.create() as sb``."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
