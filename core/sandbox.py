@@ -1,8 +1,9 @@
-"""What every sandbox backend shares: the limits config, argv, capped output and safe paths.
+"""What every sandbox backend and the sandbox agent share: the limits config, argv, capped output, safe paths.
 
 The threat model of each backend opens its own module; this one only holds
 the pieces that make the backends agree on the exec protocol
-(:class:`i3core.protocols.Sandbox`).
+(:class:`i3core.protocols.Sandbox`). It lives in the core because the
+sandbox agent (``i3core sandbox-agent``) uses it too.
 """
 
 import asyncio
