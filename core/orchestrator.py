@@ -129,6 +129,8 @@ class Orchestrator:
     clients: list[ClientSlot]
     sinks: list
     progress: Any = None
+    sandboxes: Any = None
+    """The run's :class:`~i3core.sandbox_pool.SandboxPool` when ``[sandbox]`` is configured; its counts are logged."""
     all_down_timeout_s: float = ALL_DOWN_TIMEOUT_S
     ledger: Ledger = field(default_factory=Ledger)
 
@@ -348,6 +350,8 @@ class Orchestrator:
             metrics["weights/served_version"] = self.served_version
             metrics["servers/live"] = len(self._live())
             metrics["time/elapsed_s"] = time.perf_counter() - self._started
+            if self.sandboxes is not None:
+                metrics.update({f"sandboxes/{k}": n for k, n in sorted(self.sandboxes.stats.items())})
             end_step(self.plugins.hook, self.sinks, step, metrics)
             if self.progress is not None:
                 self.progress(step, metrics)

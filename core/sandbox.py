@@ -34,6 +34,11 @@ class SandboxConfig(BaseModel):
     cpus: float = Field(1.0, gt=0, description="CPU cores the sandbox may use at once.")
     file_size_mb: int = Field(256, ge=1, description="Largest file a command may write.")
     workdir: str = Field("/work", pattern=r"^/[^\x00]*$", description="The work directory inside the sandbox.")
+    warm: int = Field(0, ge=0, description="Sandboxes the run's pool keeps created and idle ahead of demand.")
+    max_concurrent: int = Field(64, ge=1, description="Most sandboxes leased to rollouts at once.")
+    reuse: bool = Field(True, description="Reset a sandbox after its rollout and hand it out again (else close it).")
+    health_interval_s: float = Field(1.0, gt=0, description="How often a leased sandbox's health is checked; a "
+                                     "dead one masks its rollout and cancels its generation.")  # fmt: skip
 
 
 def argv(cmd: str | Sequence[str]) -> list[str]:
