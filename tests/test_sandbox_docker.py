@@ -119,6 +119,19 @@ def test_timeout_kills_detached_processes_but_keeps_the_sandbox(make_backend):
 
 
 @needs_engine
+def test_timeout_kills_everything_while_the_pids_limit_is_full(make_backend):
+    backend = make_backend(pids=16)
+
+    async def go():
+        async with await backend.create() as sb:
+            result = await sb.exec("for i in $(seq 40); do sleep 1000 & done; wait", timeout=2)
+            assert result.timed_out and "fork" in result.stderr.lower(), result  # the limit was reached
+            assert (await sb.exec(["ps", "-eo", "comm="])).stdout.split() == ["docker-init", "sleep", "ps"]
+
+    run(go())
+
+
+@needs_engine
 def test_reset_empties_the_work_directory_and_restores_it(make_backend):
     backend = make_backend()
 
