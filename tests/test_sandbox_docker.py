@@ -98,7 +98,10 @@ def test_exit_codes_signals_and_oom(make_backend):
             result = await sb.exec(["python3", "-c", "b = b'x' * (256 << 20)"])
             assert (result.exit_code, result.oom_killed) == (-9, True), result
             result = await sb.exec(["no-such-program"])
-            assert result.exit_code not in (0, None) and not result.timed_out, result
+            assert (result.exit_code, result.stdout) == (127, "") and "no-such-program" in result.stderr, result
+            result = await sb.exec(["/etc/passwd"])  # not executable
+            assert (result.exit_code, result.stdout) == (126, "") and "permission denied" in result.stderr, result
+            assert (await sb.exec("exit 126")).exit_code == 126
 
     run(go())
 

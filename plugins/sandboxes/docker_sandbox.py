@@ -91,6 +91,8 @@ MAX_THREADS = 256
 """Threads for the synchronous SDK; each running command holds one while its output streams."""
 SIGNAL_STATUS = range(129, 129 + 64)
 """Docker reports a command killed by signal N as 128+N (N up to SIGRTMAX, 64)."""
+NOT_FOUND = 127
+"""The shell's status for a command that does not exist (the runtime reports 126 for every failed exec)."""
 EXIT_POLL_S = 0.01
 EXIT_WAIT_S = 10.0
 """How long an exec may stay 'running' after its output ended, before the sandbox counts as broken."""
@@ -266,6 +268,7 @@ class DockerSandbox(SandboxBase):
         self.id = container_id[:12]
         self.container_id = container_id
         self._root = root
+        self._root_lock = threading.Lock()  # close() waits for a file operation using the fd, never reuses it
         self._oom_file = oom_file
         self._closed = False
         self._uid, self._gid = _ids(self.config.user)
@@ -296,12 +299,17 @@ class DockerSandbox(SandboxBase):
                 stream.cut()
         await pump
         duration = time.monotonic() - start
-        exit_code = None if timed_out else await self.backend._call(self._exit_code, exec_id)
+        stdout, stderr = decode(bytes(stream.out)), decode(bytes(stream.err))
+        exit_code = None
+        if not timed_out:
+            exit_code, started = await self.backend._call(self._exit_code, exec_id)
+            if not started:  # the runtime could not exec it and wrote why to stdout: report it as a shell would
+                stdout, stderr = "", stdout.replace("\r\n", "\n")
+                exit_code = NOT_FOUND if "not found" in stderr else exit_code
         oom_after = _read_oom_kills(self._oom_file)
         oom = None if oom_before is None or oom_after is None else oom_after > oom_before
-        return ExecResult(exit_code=exit_code, stdout=decode(bytes(stream.out)), stderr=decode(bytes(stream.err)),
-                          timed_out=timed_out, oom_killed=oom, truncated=stream.truncated,
-                          duration_s=duration)  # fmt: skip
+        return ExecResult(exit_code=exit_code, stdout=stdout, stderr=stderr, timed_out=timed_out, oom_killed=oom,
+                          truncated=stream.truncated, duration_s=duration)  # fmt: skip
 
     def _start(self, args: list[str]) -> tuple[str, "_Stream"]:
         api = self.backend.client().api
@@ -312,7 +320,8 @@ class DockerSandbox(SandboxBase):
             raise self._failure(exc) from None
         return exec_id, _Stream(sock, self.config.max_output_bytes)
 
-    def _exit_code(self, exec_id: str) -> int:
+    def _exit_code(self, exec_id: str) -> tuple[int, bool]:
+        """The exec's exit status (``-N`` for signal N) and whether its process ever started."""
         api = self.backend.client().api
         deadline = time.monotonic() + EXIT_WAIT_S
         while True:
@@ -322,7 +331,7 @@ class DockerSandbox(SandboxBase):
                 raise self._failure(exc) from None
             if not info["Running"] and info["ExitCode"] is not None:
                 code = info["ExitCode"]
-                return -(code - 128) if code in SIGNAL_STATUS else code
+                return (-(code - 128) if code in SIGNAL_STATUS else code), info["Pid"] != 0
             if time.monotonic() > deadline:
                 raise SandboxError(f"docker sandbox {self.id}: a command's output ended but it never exited")
             time.sleep(EXIT_POLL_S)
@@ -349,25 +358,26 @@ class DockerSandbox(SandboxBase):
     async def write_file(self, path: str, data: bytes | str) -> None:
         rel = relative_path(path, self.config.workdir)
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        self._check_open()
-        await self.backend._call(write_beneath, self._root_path(), rel, payload, self._uid, self._gid)
+        await self.backend._call(self._in_workdir, write_beneath, rel, payload, self._uid, self._gid)
 
     async def read_file(self, path: str) -> bytes:
         rel = relative_path(path, self.config.workdir)
-        self._check_open()
-        return await self.backend._call(read_beneath, self._root_path(), rel, self.config.max_file_bytes)
+        return await self.backend._call(self._in_workdir, read_beneath, rel, self.config.max_file_bytes)
 
-    def _root_path(self) -> Path:
-        return Path(f"/proc/self/fd/{self._root}")  # reopens the work directory held since creation
+    def _in_workdir(self, fn, *args):
+        """``fn(work directory, *args)`` on the work directory held open since creation (in a worker thread)."""
+        with self._root_lock:
+            self._check_open()
+            return fn(Path(f"/proc/self/fd/{self._root}"), *args)  # reopens that very directory
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def reset(self) -> None:
         self._check_open()
         await self._kill_all()
-        await self.backend._call(self._empty_workdir)
+        await self.backend._call(self._in_workdir, self._empty)
 
-    def _empty_workdir(self) -> None:
+    def _empty(self, _: Path) -> None:
         """Remove everything in the work directory (never following symlinks) and restore its owner and mode."""
         for entry in os.scandir(self._root):
             if entry.is_dir(follow_symlinks=False):
@@ -396,9 +406,10 @@ class DockerSandbox(SandboxBase):
         await self.backend._call(self.backend._remove, self.container_id)
 
     def _release(self) -> None:
-        if not self._closed:
-            self._closed = True
-            os.close(self._root)
+        with self._root_lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._root)
 
     def _check_open(self) -> None:
         if self._closed:
