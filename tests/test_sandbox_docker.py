@@ -72,7 +72,8 @@ def test_container_options_are_applied(make_backend, engine, tmp_path):
             labels = engine.api.inspect_container(sb.container_id)["Config"]["Labels"]
             assert labels[LABEL] == backend.id and labels["team"] == "rl"
 
-            result = await sb.exec("id -u; id -g; pwd; echo $GREETING; grep CapEff /proc/self/status; cat /data/data.txt")
+            result = await sb.exec("id -u; id -g; pwd; echo $GREETING; grep CapEff /proc/self/status; "
+                                   "cat /data/data.txt")
             assert result.stdout.split("\n")[:4] == ["65534", "65534", "/sandbox/work", "hi"], result
             assert "0000000000000000" in result.stdout and "from the host" in result.stdout, result
             for attempt in ("touch /i3-root", "touch /data/i3-mount", "ip link 2>/dev/null || ls /sys/class/net"):
@@ -117,6 +118,20 @@ def test_timeout_kills_detached_processes_but_keeps_the_sandbox(make_backend):
             assert result.timed_out and result.exit_code is None, result
             assert (await sb.exec(["ps", "-eo", "comm="])).stdout.split() == ["docker-init", "sleep", "ps"]
             assert await sb.alive()
+
+    run(go())
+
+
+@needs_engine
+def test_a_command_that_closes_its_output_still_counts(make_backend):
+    backend = make_backend()
+
+    async def go():
+        async with await backend.create() as sb:
+            result = await sb.exec("echo early; exec >&- 2>&-; sleep 0.5; exit 4", timeout=5)
+            assert (result.exit_code, result.stdout, result.timed_out) == (4, "early\n", False), result
+            result = await sb.exec("exec >&- 2>&-; sleep 1000", timeout=1)
+            assert result.timed_out and result.exit_code is None, result
 
     run(go())
 

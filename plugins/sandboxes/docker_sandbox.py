@@ -93,9 +93,9 @@ SIGNAL_STATUS = range(129, 129 + 64)
 """Docker reports a command killed by signal N as 128+N (N up to SIGRTMAX, 64)."""
 NOT_FOUND = 127
 """The shell's status for a command that does not exist (the runtime reports 126 for every failed exec)."""
-EXIT_POLL_S = 0.01
-EXIT_WAIT_S = 10.0
-"""How long an exec may stay 'running' after its output ended, before the sandbox counts as broken."""
+EXIT_POLL_S = 0.005
+EXIT_POLL_MAX_S = 0.25
+"""Polls for an exec's exit once its output ended start at EXIT_POLL_S and back off to this."""
 DRAIN_WAIT_S = 10.0
 """How long output may keep flowing after the kill, before the stream is cut."""
 API_TIMEOUT_S = 60.0
@@ -283,33 +283,29 @@ class DockerSandbox(SandboxBase):
         oom_before = _read_oom_kills(self._oom_file)
         start = time.monotonic()
         exec_id, stream = await self.backend._call(self._start, args)
-        pump = self.backend._call(stream.pump)
+        finish = self.backend._call(self._finish, exec_id, stream)
         timed_out = False
         try:
-            await asyncio.wait_for(asyncio.shield(pump), timeout)
+            exit_code, started = await asyncio.wait_for(asyncio.shield(finish), timeout)
         except TimeoutError:
-            timed_out = True
+            timed_out, exit_code = True, None
             await self._kill_all()
             try:
-                await asyncio.wait_for(asyncio.shield(pump), DRAIN_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(finish), DRAIN_WAIT_S)
             except TimeoutError:
                 stream.cut()  # something outside the user's reach holds the pipe: stop reading
         finally:
-            if not pump.done():  # cancelled: stop the thread's reading too
+            if not finish.done():  # cancelled (or the kill failed): stop the thread too
                 stream.cut()
-        await pump
-        duration = time.monotonic() - start
+        await finish
         stdout, stderr = decode(bytes(stream.out)), decode(bytes(stream.err))
-        exit_code = None
-        if not timed_out:
-            exit_code, started = await self.backend._call(self._exit_code, exec_id)
-            if not started:  # the runtime could not exec it and wrote why to stdout: report it as a shell would
-                stdout, stderr = "", stdout.replace("\r\n", "\n")
-                exit_code = NOT_FOUND if "not found" in stderr else exit_code
+        if not timed_out and not started:  # the runtime could not exec it and wrote why to stdout: as a shell would
+            stdout, stderr = "", stdout.replace("\r\n", "\n")
+            exit_code = NOT_FOUND if "not found" in stderr else exit_code
         oom_after = _read_oom_kills(self._oom_file)
         oom = None if oom_before is None or oom_after is None else oom_after > oom_before
         return ExecResult(exit_code=exit_code, stdout=stdout, stderr=stderr, timed_out=timed_out, oom_killed=oom,
-                          truncated=stream.truncated, duration_s=duration)  # fmt: skip
+                          truncated=stream.truncated, duration_s=stream.ended - start)  # fmt: skip
 
     def _start(self, args: list[str]) -> tuple[str, "_Stream"]:
         api = self.backend.client().api
@@ -320,11 +316,16 @@ class DockerSandbox(SandboxBase):
             raise self._failure(exc) from None
         return exec_id, _Stream(sock, self.config.max_output_bytes)
 
-    def _exit_code(self, exec_id: str) -> tuple[int, bool]:
-        """The exec's exit status (``-N`` for signal N) and whether its process ever started."""
+    def _finish(self, exec_id: str, stream: "_Stream") -> tuple[int | None, bool]:
+        """Read the output to its end, then wait for the exit (a command may close its output and go on).
+
+        :return: the exit status (``-N`` for signal N; None once the stream was cut) and whether the
+            process ever started.
+        """
+        stream.pump()
         api = self.backend.client().api
-        deadline = time.monotonic() + EXIT_WAIT_S
-        while True:
+        poll = EXIT_POLL_S
+        while not stream.stopped.is_set():
             try:
                 info = api.exec_inspect(exec_id)
             except self.backend._docker.errors.DockerException as exc:
@@ -332,9 +333,9 @@ class DockerSandbox(SandboxBase):
             if not info["Running"] and info["ExitCode"] is not None:
                 code = info["ExitCode"]
                 return (-(code - 128) if code in SIGNAL_STATUS else code), info["Pid"] != 0
-            if time.monotonic() > deadline:
-                raise SandboxError(f"docker sandbox {self.id}: a command's output ended but it never exited")
-            time.sleep(EXIT_POLL_S)
+            stream.stopped.wait(poll)
+            poll = min(2 * poll, EXIT_POLL_MAX_S)
+        return None, True
 
     async def _kill_all(self) -> None:
         """Kill every process of the sandbox but its init and keeper (all run as ``user``; those two as root)."""
@@ -430,6 +431,8 @@ class _Stream:
         self.out = bytearray()
         self.err = bytearray()
         self.truncated = False
+        self.ended = time.monotonic()
+        self.stopped = threading.Event()
 
     def pump(self) -> None:
         """Read to the end of the stream (in a worker thread)."""
@@ -452,9 +455,11 @@ class _Stream:
         except (OSError, ValueError):
             pass  # cut() shut the socket
         finally:
+            self.ended = time.monotonic()
             self.raw.close()
 
     def cut(self) -> None:
+        self.stopped.set()
         try:
             self.raw.shutdown(socket.SHUT_RDWR)
         except OSError:
