@@ -10,9 +10,10 @@ Covered:
   ``network_mode="none"`` (loopback only, inside the container), no
   capabilities (``cap_drop=ALL``), ``no-new-privileges``, a read-only root
   with a tmpfs ``/tmp`` and a tmpfs work directory, and the engine's default
-  seccomp profile (and AppArmor profile, where the host has AppArmor). Nothing of the host is visible but what the
-  image holds and the ``read_only_mounts`` the config names; the host's
-  environment is never passed in.
+  seccomp profile (and AppArmor profile, where the host has AppArmor).
+  Nothing of the host is visible but what the image holds and the
+  ``read_only_mounts`` the config names; the host's environment is never
+  passed in.
 - Limits are the container's cgroups: memory with memory+swap equal (no
   swap), a pids limit (fork bombs), ``nano_cpus`` (spinning threads), and an
   ``fsize`` rlimit on each file a command writes.
@@ -42,15 +43,18 @@ Covered:
 Not covered:
 
 - Kernel bugs and container escapes: a container shares the host kernel. For
-  a stronger boundary pick a sandboxing runtime (``runtime = "runsc"``,
-  gVisor) or the Kubernetes backend on dedicated nodes.
+  a stronger boundary use the Kubernetes backend on dedicated nodes. (A
+  user-space kernel runtime such as gVisor keeps the work directory out of
+  the host's reach, so this backend does not offer one.)
 - The engine must run on this machine and i3core as root (or with
   CAP_SYS_PTRACE): files and the OOM counter are reached through the host's
   ``/proc`` and ``/sys/fs/cgroup``. ``create`` checks that the init's pid is
   in the container's cgroup before it uses it, so an engine elsewhere (whose
   pids mean other processes here) is refused, never written through.
 - Disk: the work directory and ``/tmp`` are tmpfs charged to the memory
-  limit; ``/dev/shm`` is Docker's default 64 MiB. No I/O bandwidth limit.
+  limit, so a sandbox that fills them leaves its commands no memory (they
+  are OOM-killed) until ``reset``; ``/dev/shm`` is Docker's default 64 MiB.
+  No I/O bandwidth limit.
 - ``pids`` counts the init and keeper too (2 of them). A cancelled ``exec``
   stops reading but leaves its command running until ``reset``/``close``.
 - Exit status: Docker reports a command killed by signal N as 128+N, so a
@@ -121,8 +125,6 @@ class DockerBackend:
                                         "$DOCKER_HOST or the default socket. It must be on this machine.")
         user: str = Field("65534:65534", pattern=r"^[1-9][0-9]*(:[1-9][0-9]*)?$",
                           description="Numeric uid[:gid] commands run as (not root).")
-        runtime: str | None = Field(None, description="OCI runtime, e.g. 'runsc' (gVisor); None: the "
-                                    "engine's default.")
         read_only_mounts: dict[str, str] = Field(default_factory=dict, description="Host path -> path in the "
                                                  "sandbox, bind-mounted read-only.")
         env: dict[str, str] = Field(default_factory=dict, description="Environment of every command, on top "
@@ -191,7 +193,7 @@ class DockerBackend:
                 tmpfs={"/tmp": f"{tmpfs_opts},mode=1777", cfg.workdir: tmpfs_opts},
                 volumes={host: {"bind": inside, "mode": "ro"} for host, inside in cfg.read_only_mounts.items()},
                 environment={"PATH": PATH, "HOME": cfg.workdir, **cfg.env},
-                labels={**cfg.labels, LABEL: self.id}, runtime=cfg.runtime,
+                labels={**cfg.labels, LABEL: self.id},
             )  # fmt: skip
         except errors.ImageNotFound:
             raise SandboxError(f"docker image {cfg.image!r} is not on the engine{self._where()}: pull it "
