@@ -205,6 +205,27 @@ def test_a_container_that_dies_is_a_sandbox_error(make_backend, engine):
 
 
 @needs_engine
+def test_an_engine_that_stops_answering_is_a_sandbox_error(make_backend, tmp_path):
+    import docker
+
+    backend = make_backend()
+
+    async def go():
+        sb = await backend.create()
+        engine, backend._client = backend._client, docker.DockerClient(base_url=f"unix://{tmp_path}/gone.sock",
+                                                                        version="1.41")  # fmt: skip
+        try:
+            for attempt in (sb.exec("true"), sb.close()):
+                with pytest.raises(SandboxError, match=sb.id):
+                    await attempt
+            assert not await sb.alive()
+        finally:
+            backend._client = engine
+
+    run(go())
+
+
+@needs_engine
 def test_unknown_image_is_a_sandbox_error():
     backend = make_component("sandbox", "docker", image="i3core-no-such-image:0")
     with pytest.raises(SandboxError, match=r"'i3core-no-such-image:0' is not on the engine.*docs/sandboxes.md"):

@@ -115,6 +115,13 @@ def _docker():
     return docker
 
 
+def _engine_errors(docker) -> tuple[type[Exception], ...]:
+    """What an SDK call raises when the engine refuses or cannot be reached (requests is the SDK's transport)."""
+    import requests
+
+    return docker.errors.DockerException, requests.exceptions.RequestException
+
+
 class DockerBackend:
     """Makes sandboxes as Docker containers; all of them carry the label ``i3core.sandbox=<backend id>``."""
 
@@ -146,6 +153,7 @@ class DockerBackend:
         self.config = config
         self.id = uuid.uuid4().hex[:12]
         self._docker = _docker()
+        self.engine_errors = _engine_errors(self._docker)
         self._client = None
         self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="i3-docker")
         self._sandboxes: dict[str, "DockerSandbox"] = {}
@@ -165,7 +173,7 @@ class DockerBackend:
                         self._client = self._docker.from_env(**kwargs)
                     else:
                         self._client = self._docker.DockerClient(base_url=self.config.docker_host, **kwargs)
-                except self._docker.errors.DockerException as exc:
+                except self.engine_errors as exc:
                     raise SandboxError(f"no Docker engine answers{self._where()}: {_one_line(exc)}") from None
             return self._client
 
@@ -198,7 +206,7 @@ class DockerBackend:
         except errors.ImageNotFound:
             raise SandboxError(f"docker image {cfg.image!r} is not on the engine{self._where()}: pull it "
                                "(docker pull) or build one without a registry (docs/sandboxes.md)") from None
-        except errors.DockerException as exc:
+        except self.engine_errors as exc:
             raise SandboxError(f"cannot create a docker sandbox from {cfg.image!r}: {_one_line(exc)}") from None
         try:
             container.start()
@@ -207,7 +215,7 @@ class DockerBackend:
             return DockerSandbox(self, container.id, root, oom_file)
         except BaseException as exc:
             self._remove(container.id)
-            if isinstance(exc, errors.DockerException):
+            if isinstance(exc, self.engine_errors):
                 raise SandboxError(f"docker sandbox from {cfg.image!r} did not start: {_one_line(exc)}") from None
             raise
 
@@ -240,6 +248,8 @@ class DockerBackend:
         except self._docker.errors.APIError as exc:
             if exc.status_code != 409:  # 409: removal already in progress
                 raise SandboxError(f"cannot remove docker sandbox {container_id[:12]}: {_one_line(exc)}") from None
+        except self.engine_errors as exc:
+            raise SandboxError(f"cannot remove docker sandbox {container_id[:12]}: {_one_line(exc)}") from None
 
     def _forget(self, sandbox: "DockerSandbox") -> None:
         self._sandboxes.pop(sandbox.id, None)
@@ -258,7 +268,11 @@ class DockerBackend:
         self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="i3-docker")
 
     def _labelled(self) -> list[str]:
-        return [c["Id"] for c in self.client().api.containers(all=True, filters={"label": f"{LABEL}={self.id}"})]
+        try:
+            found = self.client().api.containers(all=True, filters={"label": f"{LABEL}={self.id}"})
+        except self.engine_errors as exc:
+            raise SandboxError(f"cannot list the docker sandboxes of backend {self.id}: {_one_line(exc)}") from None
+        return [c["Id"] for c in found]
 
 
 class DockerSandbox(SandboxBase):
@@ -314,7 +328,7 @@ class DockerSandbox(SandboxBase):
         try:
             exec_id = api.exec_create(self.container_id, args, user=self._user, workdir=self.config.workdir)["Id"]
             sock = api.exec_start(exec_id, socket=True)
-        except self.backend._docker.errors.DockerException as exc:
+        except self.backend.engine_errors as exc:
             raise self._failure(exc) from None
         return exec_id, _Stream(sock, self.config.max_output_bytes)
 
@@ -330,7 +344,7 @@ class DockerSandbox(SandboxBase):
         while not stream.stopped.is_set():
             try:
                 info = api.exec_inspect(exec_id)
-            except self.backend._docker.errors.DockerException as exc:
+            except self.backend.engine_errors as exc:
                 raise self._failure(exc) from None
             if not info["Running"] and info["ExitCode"] is not None:
                 code = info["ExitCode"]
@@ -348,12 +362,14 @@ class DockerSandbox(SandboxBase):
         try:
             exec_id = api.exec_create(self.container_id, args, user=self._user, workdir="/")["Id"]
             api.exec_start(exec_id)
-        except self.backend._docker.errors.DockerException as exc:
+        except self.backend.engine_errors as exc:
             raise self._failure(exc) from None
 
     def _failure(self, exc: Exception) -> SandboxError:
         if self._closed:
             return SandboxError(f"docker sandbox {self.id} is closed")
+        if getattr(exc, "status_code", None) == 409:  # the engine's answer to an exec in a stopped container
+            return SandboxError(f"docker sandbox {self.id} died: its container is no longer running")
         return SandboxError(f"docker sandbox {self.id} failed: {_one_line(exc)}")
 
     # -- files ------------------------------------------------------------------------------------
@@ -398,7 +414,7 @@ class DockerSandbox(SandboxBase):
     def _running(self) -> bool:
         try:
             return bool(self.backend.client().api.inspect_container(self.container_id)["State"]["Running"])
-        except self.backend._docker.errors.DockerException:
+        except self.backend.engine_errors:
             return False
 
     async def close(self) -> None:
