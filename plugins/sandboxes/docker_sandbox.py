@@ -339,9 +339,14 @@ class DockerSandbox(SandboxBase):
             process ever started.
         """
         stream.pump()
+        return self._wait_exit(exec_id, stream.stopped)
+
+    def _wait_exit(self, exec_id: str, stopped: threading.Event) -> tuple[int | None, bool]:
+        """Poll the exec until it exited: (its status, ``-N`` for signal N, whether it started), or (None, True)
+        once ``stopped`` is set."""
         api = self.backend.client().api
         poll = EXIT_POLL_S
-        while not stream.stopped.is_set():
+        while not stopped.is_set():
             try:
                 info = api.exec_inspect(exec_id)
             except self.backend.engine_errors as exc:
@@ -349,21 +354,28 @@ class DockerSandbox(SandboxBase):
             if not info["Running"] and info["ExitCode"] is not None:
                 code = info["ExitCode"]
                 return (-(code - 128) if code in SIGNAL_STATUS else code), info["Pid"] != 0
-            stream.stopped.wait(poll)
+            stopped.wait(poll)
             poll = min(2 * poll, EXIT_POLL_MAX_S)
         return None, True
 
     async def _kill_all(self) -> None:
-        """Kill every process of the sandbox but its init and keeper (all run as ``user``; those two as root)."""
-        await self.backend._call(self._run_quiet, ["/bin/sh", "-c", KILL_ALL])
+        """Kill every process of the sandbox but its init and keeper (all run as ``user``; those two as root).
 
-    def _run_quiet(self, args: list[str]) -> None:
+        :raises SandboxError: when the kill could not run (the sandbox is then beyond repair).
+        """
+        await self.backend._call(self._kill_all_sync)
+
+    def _kill_all_sync(self) -> None:
         api = self.backend.client().api
         try:
-            exec_id = api.exec_create(self.container_id, args, user=self._user, workdir="/")["Id"]
-            api.exec_start(exec_id)
+            exec_id = api.exec_create(self.container_id, ["/bin/sh", "-c", KILL_ALL], user=self._user, workdir="/")
+            output = api.exec_start(exec_id["Id"])  # returns once the shell's output closed, at its exit
         except self.backend.engine_errors as exc:
             raise self._failure(exc) from None
+        code, _ = self._wait_exit(exec_id["Id"], threading.Event())
+        if code != 0:
+            raise SandboxError(f"docker sandbox {self.id}: could not kill its processes (exit {code}: "
+                               f"{_one_line(Exception(decode(output)))})")  # fmt: skip
 
     def _failure(self, exc: Exception) -> SandboxError:
         if self._closed:
