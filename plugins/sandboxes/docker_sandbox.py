@@ -19,12 +19,14 @@ Covered:
   ``fsize`` rlimit on each file a command writes.
 - Commands run as an unprivileged ``user``; the container's init (Docker's
   ``docker-init``, tini, which reaps zombies) and its keeper process run as
-  the container's root, without capabilities. A command therefore cannot
-  signal the init or the keeper, and on a timeout (or ``reset``) the backend
-  kills every process of the sandbox but those two with one ``kill -9 -1``
-  run as ``user`` inside the container: the kernel delivers it to all of
-  them at once, so a fork bomb cannot outrun it, and Docker's exec joins
-  the container's cgroup by migration, which the pids limit does not block.
+  the container's root, without capabilities, so a command cannot signal
+  them. On a timeout (or ``reset``) the backend kills every process of the
+  sandbox but those two from the host: it freezes the container's cgroup (no
+  process can fork or exit), SIGKILLs each non-root process listed in it
+  through a pidfd (after checking the pid still names a process of this
+  container), thaws, and repeats until none is left. Nothing runs inside
+  the container for that, so a full pids limit or a full memory cannot stop
+  it.
 - Output is read from the exec's stream in chunks; at most
   ``max_output_bytes`` of each of stdout and stderr are kept, the rest is read
   and dropped (a gigabyte of output never sits in memory).
@@ -65,9 +67,12 @@ Not covered:
 """
 
 import asyncio
+import contextlib
+import errno
 import io
 import os
 import shutil
+import signal
 import socket
 import struct
 import threading
@@ -89,8 +94,12 @@ LABEL = "i3core.sandbox"
 KEEPER = ["sleep", "infinity"]
 """The container's main process under its init: it only keeps the container up (a command is an exec)."""
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; true"
-"""Run as the sandbox user: every process of that user in the container but this shell (builtins: no fork)."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+KILL_ROUNDS = 50
+KILL_PAUSE_S = 0.02
+"""Between rounds of killing, the killed processes get this long to die before the next round looks."""
+FREEZE_WAIT_S = 1.0
+"""Longest wait for a cgroup to report frozen; the kill goes ahead regardless (a round later catches the rest)."""
 MAX_THREADS = 256
 """Threads for the synchronous SDK; each running command holds one while its output streams."""
 SIGNAL_STATUS = range(129, 129 + 64)
@@ -127,7 +136,7 @@ class DockerBackend:
 
     class Config(SandboxConfig):
         image: str = Field(description="Image every sandbox runs (never pulled: it must be on the engine). It "
-                           "needs /bin/sh with a builtin kill and `sleep infinity`; see docs/sandboxes.md.")
+                           "needs /bin/sh and `sleep infinity`; see docs/sandboxes.md.")
         docker_host: str | None = Field(None, description="Engine URL (unix:///var/run/docker.sock); None: "
                                         "$DOCKER_HOST or the default socket. It must be on this machine.")
         user: str = Field("65534:65534", pattern=r"^[1-9][0-9]*(:[1-9][0-9]*)?$",
@@ -211,16 +220,16 @@ class DockerBackend:
         try:
             container.start()
             container.reload()
-            root, oom_file = self._attach(container.id, container.attrs["State"]["Pid"])
-            return DockerSandbox(self, container.id, root, oom_file)
+            root, cgroup = self._attach(container.id, container.attrs["State"]["Pid"])
+            return DockerSandbox(self, container.id, root, cgroup)
         except BaseException as exc:
             self._remove(container.id)
             if isinstance(exc, self.engine_errors):
                 raise SandboxError(f"docker sandbox from {cfg.image!r} did not start: {_one_line(exc)}") from None
             raise
 
-    def _attach(self, container_id: str, init_pid: int) -> tuple[int, Path | None]:
-        """The work directory's fd (owned by the sandbox user) and the OOM counter file, through the host's /proc."""
+    def _attach(self, container_id: str, init_pid: int) -> tuple[int, "_Cgroup"]:
+        """The work directory's fd (owned by the sandbox user) and the container's cgroup, through the host's /proc."""
         short = container_id[:12]
         try:
             root = _open_workdir(init_pid, self.config.workdir)
@@ -235,7 +244,10 @@ class DockerBackend:
             uid, gid = _ids(self.config.user)
             os.fchown(root, uid, gid)
             os.fchmod(root, WORKDIR_MODE)
-            return root, _oom_counter_file(init_pid)
+            return root, _Cgroup(init_pid)
+        except OSError as exc:
+            os.close(root)
+            raise SandboxError(f"docker sandbox {short}: cannot read its cgroup ({exc.strerror})") from None
         except BaseException:
             os.close(root)
             raise
@@ -278,14 +290,14 @@ class DockerBackend:
 class DockerSandbox(SandboxBase):
     """One container: commands are execs as the configured user, files go through the host's /proc."""
 
-    def __init__(self, backend: DockerBackend, container_id: str, root: int, oom_file: Path | None):
+    def __init__(self, backend: DockerBackend, container_id: str, root: int, cgroup: "_Cgroup"):
         self.backend = backend
         self.config = backend.config
         self.id = container_id[:12]
         self.container_id = container_id
         self._root = root
         self._root_lock = threading.Lock()  # close() waits for a file operation using the fd, never reuses it
-        self._oom_file = oom_file
+        self._cgroup = cgroup
         self._closed = False
         self._uid, self._gid = _ids(self.config.user)
         self._user = f"{self._uid}:{self._gid}"  # an explicit gid: Docker would pick group 0 for a bare uid
@@ -296,7 +308,7 @@ class DockerSandbox(SandboxBase):
         args = argv(cmd)
         self._check_open()
         timeout = self.config.timeout_s if timeout is None else timeout
-        oom_before = _read_oom_kills(self._oom_file)
+        oom_before = _read_oom_kills(self._cgroup.oom_counter)
         start = time.monotonic()
         exec_id, stream = await self.backend._call(self._start, args)
         finish = self.backend._call(self._finish, exec_id, stream)
@@ -318,7 +330,7 @@ class DockerSandbox(SandboxBase):
         if not timed_out and not started:  # the runtime could not exec it and wrote why to stdout: as a shell would
             stdout, stderr = "", stdout.replace("\r\n", "\n")
             exit_code = NOT_FOUND if "not found" in stderr else exit_code
-        oom_after = _read_oom_kills(self._oom_file)
+        oom_after = _read_oom_kills(self._cgroup.oom_counter)
         oom = None if oom_before is None or oom_after is None else oom_after > oom_before
         return ExecResult(exit_code=exit_code, stdout=stdout, stderr=stderr, timed_out=timed_out, oom_killed=oom,
                           truncated=stream.truncated, duration_s=stream.ended - start)  # fmt: skip
@@ -359,28 +371,34 @@ class DockerSandbox(SandboxBase):
         return None, True
 
     async def _kill_all(self) -> None:
-        """Kill every process of the sandbox but its init and keeper (all run as ``user``; those two as root).
+        """SIGKILL every process of the sandbox but its init and keeper (the two that run as root).
 
-        :raises SandboxError: when the kill could not run (the sandbox is then beyond repair).
+        From the host, with the container's cgroup frozen, so no process forks or exits meanwhile;
+        repeated until none is left (a process in uninterruptible sleep dies only when it wakes).
+
+        :raises SandboxError: when processes are still there after KILL_ROUNDS rounds.
         """
         await self.backend._call(self._kill_all_sync)
 
     def _kill_all_sync(self) -> None:
-        api = self.backend.client().api
         try:
-            exec_id = api.exec_create(self.container_id, ["/bin/sh", "-c", KILL_ALL], user=self._user, workdir="/")
-            output = api.exec_start(exec_id["Id"])  # returns once the shell's output closed, at its exit
-        except self.backend.engine_errors as exc:
-            raise self._failure(exc) from None
-        code, _ = self._wait_exit(exec_id["Id"], threading.Event())
-        if code != 0:
-            raise SandboxError(f"docker sandbox {self.id}: could not kill its processes (exit {code}: "
-                               f"{_one_line(Exception(decode(output)))})")  # fmt: skip
+            for _ in range(KILL_ROUNDS):
+                with self._cgroup.frozen():
+                    killed = sum(_kill_if_users(pid, self.container_id) for pid in self._cgroup.pids())
+                if not killed:
+                    return
+                time.sleep(KILL_PAUSE_S)
+        except OSError as exc:
+            if self._closed or not self._running():
+                raise self._failure(exc) from None
+            raise SandboxError(f"docker sandbox {self.id}: cannot kill its processes ({exc})") from None
+        raise SandboxError(f"docker sandbox {self.id}: processes still alive after {KILL_ROUNDS} rounds of SIGKILL")
 
     def _failure(self, exc: Exception) -> SandboxError:
         if self._closed:
             return SandboxError(f"docker sandbox {self.id} is closed")
-        if getattr(exc, "status_code", None) == 409:  # the engine's answer to an exec in a stopped container
+        if getattr(exc, "status_code", None) == 409 or isinstance(exc, OSError):  # the engine's answer to an exec
+            # in a stopped container; or its cgroup gone
             return SandboxError(f"docker sandbox {self.id} died: its container is no longer running")
         return SandboxError(f"docker sandbox {self.id} failed: {_one_line(exc)}")
 
@@ -516,22 +534,79 @@ def _open_workdir(init_pid: int, workdir: str) -> int:
         raise
 
 
-def _oom_counter_file(init_pid: int) -> Path | None:
-    """The file of the container's memory cgroup that counts OOM kills (cgroup v1 or v2), or None."""
-    for line in Path(f"/proc/{init_pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
-        if controllers == "":
-            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
-            if candidate.exists():
-                return candidate
-    return None
+class _Cgroup:
+    """The container's cgroup as the host sees it (v1 hierarchies or v2), read through /sys/fs/cgroup."""
+
+    def __init__(self, init_pid: int):
+        v1: dict[str, Path] = {}
+        unified = None
+        for line in Path(f"/proc/{init_pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(","):
+                if controller:
+                    v1[controller] = CGROUP_ROOT / controller / path.lstrip("/")
+            if controllers == "":
+                unified = CGROUP_ROOT / path.lstrip("/")
+        if "freezer" in v1 and "memory" in v1:
+            self.procs = v1["freezer"] / "cgroup.procs"
+            self.freeze, self.states = v1["freezer"] / "freezer.state", ("FROZEN", "THAWED")
+            self.oom_counter = v1["memory"] / "memory.oom_control"
+        elif unified is not None:
+            self.procs = unified / "cgroup.procs"
+            self.freeze, self.states = unified / "cgroup.freeze", ("1", "0")
+            self.oom_counter = unified / "memory.events"
+        else:
+            raise OSError(errno.ENOENT, "no freezer and memory cgroup found for the container")
+        if not self.procs.exists():
+            raise OSError(errno.ENOENT, f"{self.procs} is missing")
+
+    def is_frozen(self) -> bool:
+        if self.freeze.name == "freezer.state":
+            return self.freeze.read_text().strip() == "FROZEN"
+        return "frozen 1" in (self.freeze.parent / "cgroup.events").read_text().splitlines()
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Every process of the cgroup stopped (none can fork or exit) for the duration."""
+        self.freeze.write_text(self.states[0])
+        try:
+            deadline = time.monotonic() + FREEZE_WAIT_S
+            while not self.is_frozen() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            yield
+        finally:
+            self.freeze.write_text(self.states[1])
+
+    def pids(self) -> list[int]:
+        return [int(pid) for pid in self.procs.read_text().split()]
 
 
-def _read_oom_kills(path: Path | None) -> int | None:
-    if path is None:
-        return None
+def _kill_if_users(pid: int, container_id: str) -> bool:
+    """SIGKILL ``pid`` if it is a live process of the container not run by root; whether it was signalled.
+
+    The pidfd pins the process: if ``pid`` was reused after it was listed, the checks read the
+    new process (not the container's: skipped) or the signal finds the old one gone.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+        if fields["State"].split()[0] in ("Z", "X") or fields["Uid"].split()[0] == "0":
+            return False  # a zombie (its parent reaps it), or the init or keeper
+        if container_id not in Path(f"/proc/{pid}/cgroup").read_text():
+            return False
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    finally:
+        os.close(pidfd)
+
+
+def _read_oom_kills(path: Path) -> int | None:
     try:
         for line in path.read_text().splitlines():
             key, _, value = line.partition(" ")
