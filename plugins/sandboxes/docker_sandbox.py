@@ -312,6 +312,7 @@ class DockerSandbox(SandboxBase):
         start = time.monotonic()
         exec_id, stream = await self.backend._call(self._start, args)
         finish = self.backend._call(self._finish, exec_id, stream)
+        finish.add_done_callback(_retrieved)  # an exec abandoned by an error or a cancel logs nothing
         timed_out = False
         try:
             exit_code, started = await asyncio.wait_for(asyncio.shield(finish), timeout)
@@ -388,17 +389,18 @@ class DockerSandbox(SandboxBase):
                 if not killed:
                     return
                 time.sleep(KILL_PAUSE_S)
-        except OSError as exc:
-            if self._closed or not self._running():
-                raise self._failure(exc) from None
+        except OSError as exc:  # its cgroup is gone with the container, or the host refuses
+            if self._closed:
+                raise SandboxError(f"docker sandbox {self.id} is closed") from None
+            if not self._running():
+                raise SandboxError(f"docker sandbox {self.id} died: its container is no longer running") from None
             raise SandboxError(f"docker sandbox {self.id}: cannot kill its processes ({exc})") from None
         raise SandboxError(f"docker sandbox {self.id}: processes still alive after {KILL_ROUNDS} rounds of SIGKILL")
 
     def _failure(self, exc: Exception) -> SandboxError:
         if self._closed:
             return SandboxError(f"docker sandbox {self.id} is closed")
-        if getattr(exc, "status_code", None) == 409 or isinstance(exc, OSError):  # the engine's answer to an exec
-            # in a stopped container; or its cgroup gone
+        if getattr(exc, "status_code", None) == 409:  # the engine's answer to an exec in a stopped container
             return SandboxError(f"docker sandbox {self.id} died: its container is no longer running")
         return SandboxError(f"docker sandbox {self.id} failed: {_one_line(exc)}")
 
@@ -512,6 +514,11 @@ class _Stream:
             self.raw.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _ids(user: str) -> tuple[int, int]:
