@@ -21,12 +21,12 @@ IMAGE_VERSION = "1"
 """Bump when the file list below changes, so a stale image on a machine is not reused."""
 TAG = f"{IMAGE_REPOSITORY}:{IMAGE_VERSION}"
 
-PYTHON = "/usr/bin/python3.11"
+PYTHON = os.path.realpath("/usr/bin/python3")  # Debian's interpreter (python3.11 on bookworm), not a pyenv shim
 PROGRAMS = ["/usr/bin/dash", "/usr/bin/ps", "/usr/bin/kill", "/usr/bin/grep", "/usr/bin/setsid",
             "/usr/bin/find", "/usr/bin/xargs", PYTHON]  # fmt: skip
-LINKS = {"/usr/bin/sh": "dash", "/usr/bin/python3": "python3.11", "/bin": "usr/bin", "/sbin": "usr/sbin",
-         "/lib": "usr/lib", "/lib64": "usr/lib64"}  # fmt: skip
-STDLIB = Path("/usr/lib/python3.11")
+LINKS = {"/usr/bin/sh": "dash", "/usr/bin/python3": os.path.basename(PYTHON), "/bin": "usr/bin",
+         "/sbin": "usr/sbin", "/lib": "usr/lib", "/lib64": "usr/lib64"}  # fmt: skip
+STDLIB = Path("/usr/lib") / os.path.basename(PYTHON)
 STDLIB_SKIPPED = {"test", "dist-packages", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
 ETC = {
     "/etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
