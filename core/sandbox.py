@@ -46,7 +46,7 @@ def argv(cmd: str | Sequence[str]) -> list[str]:
     """The argv of ``cmd``: a string runs under ``/bin/sh -c``, a sequence as it is."""
     if isinstance(cmd, str):
         return ["/bin/sh", "-c", cmd]
-    args = list(cmd)
+    args = list(cmd) if isinstance(cmd, Sequence) else []
     if not args or not all(isinstance(a, str) for a in args):
         raise ValueError(f"exec needs a shell string or a non-empty list of strings, got {cmd!r}")
     return args
