@@ -13,13 +13,15 @@ and it exits when the requester closes its end.
 
 Operations (``op``):
 
-- ``create``: a new sandbox init: pid 1 of fresh pid, mount, net, ipc and uts
-  namespaces, with a private read-only root (see the local backend's module
-  docstring), a fresh /proc, a tmpfs /tmp, a minimal /dev and the work
-  directory bound from the host. Its uid for commands is ``uid_base + its host
-  pid`` (unique among live sandboxes). It lives until it is killed, or until
-  this server (and so the requester) dies: each link of the chain has a
-  parent-death SIGKILL.
+- ``create``: a new sandbox init, forked straight into a new pid namespace
+  (the server unshares one for that fork and returns to its own): pid 1 of
+  fresh pid, mount, net, ipc and uts namespaces, with a private read-only
+  root (see the local backend's module docstring), a fresh /proc, a tmpfs
+  /tmp, a minimal /dev and the work directory bound from the host; then it
+  execs ``sleep`` (a 1 MB process, not a copy of this server). Its uid for
+  commands is ``uid_base + its host pid`` (unique among live sandboxes). It
+  lives until it is killed, or until this server (and so the requester) dies
+  (a parent-death SIGKILL).
 - ``exec``: run ``argv`` inside the target's pid, mount, ipc and uts
   namespaces (and net, unless the server made its own fresh one), chrooted to
   its root, in ``cwd``, as ``uid``/``gid`` with no capabilities, no_new_privs,
@@ -71,6 +73,9 @@ ETC_SHARED = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "loca
               "debian_version", "mime.types", "nsswitch.conf", "host.conf", "protocols", "services",
               "ssl/certs", "ca-certificates.conf")  # fmt: skip
 """The host /etc entries a sandbox sees (read-only): what the loader, Python and TLS clients read; no secrets."""
+INIT = ("/bin/sleep", "2147483647")
+"""What a sandbox's init becomes once its root is built: the smallest process that just stays (SIGCHLD is ignored,
+so the kernel reaps orphans for it), not a copy of this server."""
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)
 """Signals Python (or this server) changed that a command must start with at their defaults."""
@@ -201,35 +206,23 @@ def setup_root(new: str, work: str, workdir: str, uid: int, tmp_mb: int) -> None
     mount(None, "/dev", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
 
 
-def op_create(req: dict, fds: list[int], server_pid: int) -> None:
+def op_create(req: dict, fds: list[int]) -> None:
+    """In the server's child born as pid 1 of a new pid namespace: build the sandbox, then become its init."""
     status = fds[0]
-    child_prelude(server_pid)
-    unshare(SANDBOX_NAMESPACES)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != 0:  # pid 1 of the new namespace: its parent lives outside it
-                os._exit(1)
-            host_pid = int(os.readlink("/proc/self"))  # the host's /proc is still mounted here
-            uid = req["uid_base"] + host_pid
-            setup_root(req["root"], req["work"], req["workdir"], uid, req["tmp_mb"])
-            socket.sethostname("sandbox")
-            loopback_up()
-            signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # orphans re-parented to us are reaped by the kernel
-            report(status, f"P{host_pid} {uid}")
-            os.closerange(0, 1 << 16)
-            while True:
-                signal.pause()
-        except BaseException as exc:
-            report(status, f"E{exc}")
-        finally:
-            os._exit(1)
-    os.close(status)
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server is our parent
+    unshare(SANDBOX_NAMESPACES & ~CLONE_NEWPID)
+    host_pid = int(os.readlink("/proc/self"))  # the host's /proc is still mounted here
+    uid = req["uid_base"] + host_pid
+    setup_root(req["root"], req["work"], req["workdir"], uid, req["tmp_mb"])
+    socket.sethostname("sandbox")
+    loopback_up()
+    report(status, f"P{host_pid} {uid}")
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, 1 << 16)
+    # SIGCHLD stays ignored across execve, so the kernel reaps every orphan re-parented to this init
+    os.execve(INIT[0], list(INIT), {})
 
 
 # --- exec and kill: join a target's namespaces --------------------------------------------------
@@ -369,6 +362,15 @@ def op_probe(req: dict, fds: list[int], server_pid: int) -> None:
     report(status, "O" + json.dumps(problems))
 
 
+def restore_pid_namespace(own_pidns: int) -> None:
+    """Make our later children ours again after a create; if we cannot, stop (the requester sees us gone)."""
+    try:
+        setns(own_pidns, CLONE_NEWPID)
+    except OSError as exc:
+        print(f"i3core.nsfork: cannot return to our pid namespace: {exc}", file=sys.stderr)
+        os._exit(1)
+
+
 def serve(sock: socket.socket, own_netns: bool) -> None:
     server_pid = os.getpid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
@@ -376,7 +378,8 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
     if own_netns:
         unshare(CLONE_NEWNET)
         loopback_up()
-    ops = {"create": lambda r, f: op_create(r, f, server_pid), "kill": lambda r, f: op_kill(r, f, server_pid),
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    ops = {"create": op_create, "kill": lambda r, f: op_kill(r, f, server_pid),
            "exec": lambda r, f: op_exec(r, f, server_pid, devnull, own_netns),
            "probe": lambda r, f: op_probe(r, f, server_pid)}  # fmt: skip
     while True:
@@ -388,7 +391,16 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
         try:
             req = json.loads(data)
             handler = ops[req["op"]]
-            if os.fork() == 0:
+            if req["op"] == "create":
+                unshare(CLONE_NEWPID)  # our next child is pid 1 of a new pid namespace
+                try:
+                    pid = os.fork()
+                finally:
+                    if os.getpid() == server_pid:
+                        restore_pid_namespace(own_pidns)
+            else:
+                pid = os.fork()
+            if pid == 0:
                 try:
                     sock.close()
                     handler(req, fds)
