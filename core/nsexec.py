@@ -227,7 +227,8 @@ class NsExec:
         args = [sys.executable, "-I", str(server), str(theirs.fileno())] + (["--own-netns"] if self.own_netns else [])
         try:
             self._proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, env={"PATH": PATH}, start_new_session=True)  # fmt: skip
+                                          stdout=subprocess.DEVNULL, env={"PATH": PATH},
+                                          start_new_session=True)  # fmt: skip
         finally:
             theirs.close()
         ours.setblocking(False)
@@ -334,7 +335,7 @@ class NsExec:
                 raise SandboxError("processes of the sandbox survived being killed")
 
     async def exec(self, jail: Jail, args: list[str], timeout: float | None = None) -> ExecResult:
-        """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill every process of it but its init."""
+        """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill all of it but its init."""
         timeout = jail.limits.timeout_s if timeout is None else timeout
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -369,7 +370,7 @@ class NsExec:
                 try:
                     (out, out_cut), (err, err_cut), status = await asyncio.wait_for(done, STOP_WAIT_S)
                 except TimeoutError:
-                    raise SandboxError(f"the command's output stayed open {STOP_WAIT_S:g}s after it was killed") from None
+                    raise SandboxError(f"output still open {STOP_WAIT_S:g}s after the command was killed") from None
             except asyncio.CancelledError:
                 done.cancel()
                 await self.kill_all(jail)

@@ -81,10 +81,9 @@ RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGIN
 """Signals Python (or this server) changed that a command must start with at their defaults."""
 
 libc = ctypes.CDLL(None, use_errno=True)
-for _name, _args in (("mount", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]),
-                     ("umount2", [ctypes.c_char_p, ctypes.c_int]), ("unshare", [ctypes.c_int]),
-                     ("setns", [ctypes.c_int, ctypes.c_int]),
-                     ("prctl", [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong])):  # fmt: skip
+_str, _int, _long = ctypes.c_char_p, ctypes.c_int, ctypes.c_ulong
+for _name, _args in (("mount", [_str, _str, _str, _long, _str]), ("umount2", [_str, _int]), ("unshare", [_int]),
+                     ("setns", [_int, _int]), ("prctl", [_int, _long, _long, _long, _long])):  # fmt: skip
     getattr(libc, _name).argtypes = _args
 
 
@@ -175,8 +174,8 @@ def setup_root(new: str, work: str, workdir: str, uid: int, tmp_mb: int) -> None
     os.mkdir(f"{new}/etc", 0o755)
     for name in ETC_SHARED + tuple(n for n in sorted(os.listdir("/etc")) if n.startswith("python3")):
         _share(f"/etc/{name}", f"{new}/etc/{name}")
-    _write(f"{new}/etc/passwd", f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\n"
-           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")  # fmt: skip
+    _write(f"{new}/etc/passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+           f"sandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
     _write(f"{new}/etc/group", f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
     _write(f"{new}/etc/hosts", "127.0.0.1 localhost\n::1 localhost\n")
     _write(f"{new}/etc/hostname", "sandbox\n")

@@ -30,7 +30,6 @@ import os
 import re
 import select
 import signal
-import socket
 import time
 from dataclasses import asdict
 from pathlib import Path

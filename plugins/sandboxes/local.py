@@ -170,7 +170,8 @@ class LocalBackend:
             if "namespaces" in refused or "pidfd" in refused or "pivot_root" in refused:
                 server.close()
                 raise SandboxError("local sandboxes need pid, mount, net, ipc and uts namespaces, which this host "
-                                   f"refuses: {'; '.join(refused.values())} (run as root, or pick another backend)")  # fmt: skip
+                                   f"refuses: {'; '.join(refused.values())} (run as root, or pick another "
+                                   "backend)")  # fmt: skip
             self.cgroup_parents, missing = nsexec.cgroup_parents()
             self.missing = {f"cgroup {name}": why for name, why in missing.items()}
             if self.missing:
