@@ -53,6 +53,10 @@ OPEN_FILES = 1024
 """RLIMIT_NOFILE of a command."""
 SOCKET_BUFFER_BYTES = 4 << 20
 """Send buffer of the request socket: room for requests queued while the server forks, and for a long argv."""
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
+"""Linux socket options that let root go past net.core.wmem_max/rmem_max (2 MiB requests need it)."""
+MAX_REQUEST_BYTES = 2 << 20
+"""Largest exec request (argv and environment as JSON): execve's own limit on arguments is 2 MiB."""
 SEND_RETRY_S = 0.001
 STOP_WAIT_S = 10.0
 """How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
@@ -221,8 +225,12 @@ class NsExec:
         if self._proc is not None:
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for sock, option in ((ours, socket.SO_SNDBUF), (theirs, socket.SO_RCVBUF)):
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        for sock, forced, option in ((ours, SO_SNDBUFFORCE, socket.SO_SNDBUF),
+                                     (theirs, SO_RCVBUFFORCE, socket.SO_RCVBUF)):  # fmt: skip
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, forced, SOCKET_BUFFER_BYTES)
+            except PermissionError:
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         server = Path(__file__).with_name("nsfork.py")
         args = [sys.executable, "-I", str(server), str(theirs.fileno())] + (["--own-netns"] if self.own_netns else [])
         try:
@@ -260,9 +268,13 @@ class NsExec:
 
     async def _send(self, request: dict, fds: list[int]) -> int:
         """Send ``request`` with ``fds`` (closed here); :return: the read end of its status pipe."""
+        data = json.dumps(request).encode()
+        if len(data) > MAX_REQUEST_BYTES:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError(f"the command is too long ({len(data)} bytes as JSON; at most {MAX_REQUEST_BYTES})")
         status_r, status_w = os.pipe()
         try:
-            data = json.dumps(request).encode()
             while not self._try_send(data, [*fds, status_w]):
                 await asyncio.sleep(SEND_RETRY_S)
         except BaseException:

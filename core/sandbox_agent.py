@@ -116,8 +116,11 @@ class Agent:
             return _error(503, str(exc))
 
     async def exec(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        if len(raw) > MAX_JSON_BYTES:
+            return _error(413, f"the body is larger than {MAX_JSON_BYTES} bytes")
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict) or "cmd" not in body:
@@ -133,7 +136,10 @@ class Agent:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or
                                     not 0 < timeout < float("inf")):  # fmt: skip
             return _error(400, f"timeout must be a positive number of seconds, got {timeout!r}")
-        result = await self.server.exec(self.jail, args, timeout)
+        try:
+            result = await self.server.exec(self.jail, args, timeout)
+        except ValueError as exc:
+            return _error(400, str(exc))
         return web.json_response(asdict(result))
 
     async def put_file(self, request: web.Request) -> web.Response:

@@ -148,6 +148,12 @@ def test_argv_is_literal_and_a_string_is_shell(backend):
             result = await sb.exec("head -c 2000000 /dev/zero > big")  # file_size_mb = 1
             assert result.exit_code != 0, result
             assert (await sb.exec("python3 -c 'import sys; print(sys.executable)'")).stdout == "/usr/bin/python3\n"
+            result = await sb.exec(["printf", "%s", "x" * 100_000, "y" * 100_000])  # long argv travel whole
+            assert result.stdout == "x" * 100_000 + "y" * 100_000, len(result.stdout)
+            result = await sb.exec("echo " + "z" * 200_000)  # past execve's 128 KiB per argument: its error
+            assert result.exit_code == 126 and "Argument list too long" in result.stderr, result
+            with pytest.raises(ValueError):
+                await sb.exec(["true", "w" * (3 << 20)])
 
     run(go())
 

@@ -33,8 +33,8 @@ parent-death signals), so a crashed orchestrator leaves none behind.
 Not covered: the kernel is shared, so a kernel exploit escapes (use a VM or
 gVisor-backed backend for that); CPU caches and other side channels; disk
 usage of the work directory as a whole (``file_size_mb`` bounds each file,
-not their sum); /proc shows the sandbox's own processes, its init's command
-line (a host path of the Python interpreter) and mount sources; a sandbox
+not their sum); /proc shows the sandbox's own processes and its mount sources
+(host paths of the bound directories); a sandbox
 can use its whole CPU and memory budget until ``reset``/``close``
 (a background process lives on between ``exec`` calls by design).
 
