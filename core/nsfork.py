@@ -219,7 +219,8 @@ def op_create(req: dict, fds: list[int]) -> None:
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.closerange(3, 1 << 16)
+    os.closerange(3, status)
+    os.closerange(status + 1, 1 << 16)  # the status pipe closes on execve: the requester's EOF
     # SIGCHLD stays ignored across execve, so the kernel reaps every orphan re-parented to this init
     os.execve(INIT[0], list(INIT), {})
 
