@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,31 @@ def cgroup_parents() -> tuple[dict[str, Path], dict[str, str]]:
             continue
         parents[name] = parent
     return parents, missing
+
+
+def owned_name(kind: str, suffix: str = "") -> str:
+    """``i3core-<kind>-<our pid>[-<suffix>]``: a cgroup or directory name that :func:`sweep_stale` can tell is
+    ours and whether its owner still lives."""
+    return f"i3core-{kind}-{os.getpid()}" + (f"-{suffix}" if suffix else "")
+
+
+def sweep_stale(directories: list[Path], kind: str, remove: Callable[[Path], None]) -> None:
+    """``remove`` what an owner that died without cleaning up (SIGKILL) left in ``directories``: the entries named
+    by :func:`owned_name` after a dead pid (cgroups: ``Path.rmdir``, refused while a process is in one)."""
+    pattern = re.compile(rf"^i3core-{re.escape(kind)}-(\d+)(-|$)")
+    for directory in directories:
+        try:
+            entries = list(directory.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            match = pattern.match(entry.name)
+            if not match or Path(f"/proc/{match.group(1)}").exists():
+                continue
+            try:
+                remove(entry)
+            except OSError:
+                pass
 
 
 @dataclass

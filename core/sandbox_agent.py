@@ -219,7 +219,8 @@ async def serve(args: argparse.Namespace) -> int:
     parents, missing = nsexec.cgroup_parents()
     if missing:
         log.warning("sandbox agent runs without: " + "; ".join(f"cgroup {n} ({why})" for n, why in missing.items()))
-    cgroup = Cgroup.create(parents, f"i3core-agent-{os.getpid()}", limits) if parents else None
+    nsexec.sweep_stale(list(parents.values()), "agent", Path.rmdir)
+    cgroup = Cgroup.create(parents, nsexec.owned_name("agent"), limits) if parents else None
     server = NsExec(own_netns=True)
     server.start()
     jail = Jail(pid=target, uid=args.uid, gid=args.gid, limits=limits, files=files, cgroup=cgroup)

@@ -5,6 +5,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -200,3 +201,29 @@ def test_the_host_root_and_secrets_are_not_visible(backend):
             assert (await sb.exec("touch /usr/x /etc/x /x")).exit_code != 0
 
     run(go())
+
+
+@pytest.mark.slow
+def test_what_a_killed_owner_left_is_swept_when_the_next_backend_starts(tmp_path):
+    code = ("import asyncio, os, time\nfrom i3core.testing import make_component\n"
+            f"backend = make_component('sandbox', 'local', root_dir={str(tmp_path)!r})\n"
+            "async def go():\n    sb = await backend.create()\n    print(sb._jail.pid, flush=True)\n"
+            "    await asyncio.sleep(300)\nasyncio.run(go())")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    init = int(owner.stdout.readline())
+    left = list(tmp_path.iterdir())
+    assert len(left) == 1 and left[0].name.startswith(f"i3core-local-{owner.pid}-")
+    owner.kill()  # no cleanup at all: its sandbox dies with it (parent-death signals), its directories stay
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(init) and psutil.Process(init).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the sandbox outlived its owner"
+        time.sleep(0.05)
+    backend = make_component("sandbox", "local", root_dir=str(tmp_path))
+    backend.start()
+    try:
+        assert list(tmp_path.iterdir()) == []
+        assert not [p for p in backend.cgroup_parents.values() for c in p.iterdir()
+                    if c.name.startswith(f"i3core-local-{owner.pid}-")]  # fmt: skip
+    finally:
+        asyncio.run(backend.aclose())

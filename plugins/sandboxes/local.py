@@ -181,19 +181,21 @@ class LocalBackend:
                 log.warning("local sandboxes run without: " + "; ".join(
                     f"{name} ({why}; {fallback[name]})" for name, why in self.missing.items()))
             Path(self.config.root_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            nsexec.sweep_stale(list(self.cgroup_parents.values()), "local", Path.rmdir)
+            nsexec.sweep_stale([Path(self.config.root_dir)], "local", shutil.rmtree)
             self.nsexec = server
 
     async def create(self) -> LocalSandbox:
         if self.nsexec is None:
             await asyncio.to_thread(self.start)
         sandbox_id = uuid.uuid4().hex[:12]
-        base = Path(self.config.root_dir) / sandbox_id
+        base = Path(self.config.root_dir) / nsexec.owned_name("local", sandbox_id)
         (base / "root").mkdir(parents=True)
         (base / "work").mkdir()
         cgroup = None
         try:
             if self.cgroup_parents:
-                cgroup = Cgroup.create(self.cgroup_parents, f"i3core-{sandbox_id}", self.config)
+                cgroup = Cgroup.create(self.cgroup_parents, nsexec.owned_name("local", sandbox_id), self.config)
             pid, uid = await self.nsexec.create_init(base / "root", base / "work", self.config.workdir, UID_BASE,
                                                      tmp_mb=self.config.memory_mb)  # fmt: skip
             pidfd = os.pidfd_open(pid)
