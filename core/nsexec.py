@@ -61,8 +61,9 @@ MAX_REQUEST_BYTES = 2 << 20
 SEND_RETRY_S = 0.001
 STOP_WAIT_S = 10.0
 """How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
-SERVER_WAIT_S = 10.0
-"""How long a probe or a sandbox creation may take before the fork server counts as stuck."""
+SERVER_WAIT_S = 60.0
+"""How long a probe, a creation or a kill may take before the fork server counts as stuck (hundreds of creations
+at once on two loaded cores take seconds each)."""
 
 
 def sandbox_env(workdir: str) -> dict[str, str]:
@@ -375,8 +376,8 @@ class NsExec:
     async def exec(self, jail: Jail, args: list[str], timeout: float | None = None) -> ExecResult:
         """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill all of it but its init."""
         timeout = jail.limits.timeout_s if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
         request = {"op": "exec", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "cwd": jail.limits.workdir,
                    "argv": args, "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
                    "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else []}  # fmt: skip
