@@ -59,7 +59,7 @@ SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 MAX_REQUEST_BYTES = 2 << 20
 """Largest exec request (argv and environment as JSON): execve's own limit on arguments is 2 MiB."""
 SEND_RETRY_S = 0.001
-STOP_WAIT_S = 10.0
+STOP_WAIT_S = 30.0
 """How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
 SERVER_WAIT_S = 60.0
 """How long a probe, a creation or a kill may take before the fork server counts as stuck (hundreds of creations

@@ -63,8 +63,9 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 MAX_REQUEST_BYTES = 4 << 20
 """Largest request datagram (argv and environment); execve's own limit is 2 MiB of arguments."""
 MAX_FDS = 8
-KILL_ROUNDS = 500
-"""kill(-1) rounds before giving up; the first normally suffices (a killed process takes a moment to die)."""
+KILL_DEADLINE_S = 30.0
+"""How long kill(-1) rounds go on before giving up; the first normally suffices (a killed process takes a moment
+to die, longer on loaded cores)."""
 KILL_PAUSE_S = 0.005
 
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -327,7 +328,8 @@ def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
     uid, gid = req["uid"], req["gid"]
     pidns = os.stat(f"/proc/{req['target']}/ns/pid").st_ino
     enter(req["target"], CLONE_NEWPID, chroot=False)
-    for _ in range(KILL_ROUNDS):
+    deadline = time.monotonic() + KILL_DEADLINE_S
+    while time.monotonic() < deadline:
         pid = os.fork()
         if pid == 0:
             try:

@@ -30,17 +30,24 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
 
 
-def namespace_members(pid: int) -> set[int]:
-    """Host pids of every process in the pid namespace of ``pid``."""
+def namespace_members(pid: int) -> list[psutil.Process]:
+    """Every process in the pid namespace of ``pid`` (psutil handles: safe against pid reuse)."""
     ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
-    members = set()
+    members = []
     for proc in psutil.process_iter():
         try:
             if os.stat(f"/proc/{proc.pid}/ns/pid").st_ino == ns:
-                members.add(proc.pid)
+                members.append(proc)
         except OSError:
             pass
     return members
+
+
+def running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_host_support_is_detected_and_limits_reach_the_cgroup(backend):
@@ -80,8 +87,7 @@ def test_close_leaves_no_process_cgroup_or_directory(backend, tmp_path):
         await sb.close()
         await sb.close()  # idempotent
         assert not await sb.alive()
-        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                       for pid in members), "a process of the sandbox outlived close()"  # fmt: skip
+        assert not [p for p in members if running(p)], "a process of the sandbox outlived close()"
         assert not any(d.exists() for d in dirs), "a cgroup directory outlived close()"
         assert not base.exists()
         with pytest.raises(SandboxError):
