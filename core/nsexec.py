@@ -14,7 +14,7 @@ that uid) and nothing else (the init and the agent run as root).
 The forking is done by a small single-threaded server, :mod:`i3core.nsfork`
 (one per :class:`NsExec`), so that this asyncio process, which may hold
 threads and a large heap, never forks. A trivial command costs one request
-datagram, two forks of that small server and one execve.
+datagram, one fork of that small server and one execve.
 
 Files go beneath the work directory with
 :func:`~i3core.sandbox.read_beneath`/:func:`~i3core.sandbox.write_beneath`

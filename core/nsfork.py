@@ -26,7 +26,10 @@ Operations (``op``):
   namespaces (and net, unless the server made its own fresh one), chrooted to
   its root, in ``cwd``, as ``uid``/``gid`` with no capabilities, no_new_privs,
   rlimits and a clean environment; stdin is /dev/null. Moves itself into the
-  given cgroups first.
+  given cgroups first. One fork: the server enters the target's pid namespace
+  for its children (``setns`` on a pidfd), forks, and returns to its own; the
+  child joins the rest and execs. The server, its parent, reaps it and writes
+  its wait status.
 - ``kill``: ``kill(-1, SIGKILL)`` as ``uid`` inside the target's pid
   namespace, until nothing is left: every process of the sandbox but its init
   (which runs as root) dies, and nothing else can.
@@ -40,6 +43,7 @@ import json
 import os
 import platform
 import resource
+import select
 import signal
 import socket
 import struct
@@ -131,10 +135,11 @@ def report(status_fd: int, line: str) -> None:
 
 
 def child_prelude(server_pid: int) -> None:
-    """First steps of every forked child: die with the server, default SIGCHLD so waitpid works."""
+    """First steps of a forked child that stays in our pid namespace: die with the server, SIGCHLD as usual."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != server_pid:
         os._exit(1)
+    signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
@@ -209,6 +214,7 @@ def setup_root(new: str, work: str, workdir: str, uid: int, tmp_mb: int) -> None
 def op_create(req: dict, fds: list[int]) -> None:
     """In the server's child born as pid 1 of a new pid namespace: build the sandbox, then become its init."""
     status = fds[0]
+    signal.set_wakeup_fd(-1)
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server is our parent
     unshare(SANDBOX_NAMESPACES & ~CLONE_NEWPID)
     host_pid = int(os.readlink("/proc/self"))  # the host's /proc is still mounted here
@@ -222,16 +228,17 @@ def op_create(req: dict, fds: list[int]) -> None:
         os.dup2(null, fd)
     os.closerange(3, status)
     os.closerange(status + 1, 1 << 16)  # the status pipe closes on execve: the requester's EOF
-    # SIGCHLD stays ignored across execve, so the kernel reaps every orphan re-parented to this init
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # kept across execve: the kernel reaps orphans for this init
     os.execve(INIT[0], list(INIT), {})
 
 
 # --- exec and kill: join a target's namespaces --------------------------------------------------
 
 
-def enter(target: int, flags: int, chroot: bool) -> None:
-    """Join ``target``'s namespaces (``flags``) and, with ``chroot``, its root directory."""
-    pidfd = os.pidfd_open(target)
+def enter(target: int, flags: int, chroot: bool, pidfd: int = -1) -> None:
+    """Join ``target``'s namespaces (``flags``) and, with ``chroot``, its root directory (``pidfd``: the target's,
+    opened where its pid means it)."""
+    pidfd = os.pidfd_open(target) if pidfd == -1 else pidfd
     root = os.open(f"/proc/{target}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if chroot else -1
     try:
         setns(pidfd, flags)
@@ -283,24 +290,16 @@ def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int
         os._exit(127 if exc.errno == errno.ENOENT else 126)
 
 
-def op_exec(req: dict, fds: list[int], server_pid: int, devnull: int, own_netns: bool) -> None:
+def op_exec(req: dict, fds: list[int], devnull: int, own_netns: bool, pidfd: int) -> None:
+    """In the server's child born in the target's pid namespace: join the rest of its namespaces, become the
+    command. The server reports the exit status (it is our parent)."""
     out, err, status = fds[:3]
-    child_prelude(server_pid)
+    signal.set_wakeup_fd(-1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in req["cgroup_procs"]]
-    flags = SANDBOX_NAMESPACES & ~(CLONE_NEWNET if own_netns else 0)
-    enter(req["target"], flags, chroot=True)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            run_command(req, out, err, status, cgroup_fds, devnull)
-        except BaseException as exc:
-            report(status, f"E{exc}")
-        finally:
-            os._exit(127)
-    os.close(out)
-    os.close(err)
-    _, wait_status = os.waitpid(pid, 0)
-    report(status, f"X{wait_status}")
+    flags = SANDBOX_NAMESPACES & ~CLONE_NEWPID & ~(CLONE_NEWNET if own_netns else 0)
+    enter(req["target"], flags, chroot=True, pidfd=pidfd)
+    run_command(req, out, err, status, cgroup_fds, devnull)
 
 
 def live_processes(pidns: int, uid: int) -> list[int]:
@@ -375,16 +374,33 @@ def restore_pid_namespace(own_pidns: int) -> None:
 
 def serve(sock: socket.socket, own_netns: bool) -> None:
     server_pid = os.getpid()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     if own_netns:
         unshare(CLONE_NEWNET)
         loopback_up()
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below through wake_w
+    waiting: dict[int, int] = {}
+    """exec children -> their status pipe: we are their parent, so we report how they ended."""
     ops = {"create": op_create, "kill": lambda r, f: op_kill(r, f, server_pid),
-           "exec": lambda r, f: op_exec(r, f, server_pid, devnull, own_netns),
+           "exec": lambda r, f: op_exec(r, f, devnull, own_netns, target_fd),
            "probe": lambda r, f: op_probe(r, f, server_pid)}  # fmt: skip
     while True:
+        ready = select.select([sock, wake_r], [], [])[0]
+        if wake_r in ready:
+            while True:
+                try:
+                    if not os.read(wake_r, 4096):
+                        break
+                except BlockingIOError:
+                    break
+            reap(waiting)
+        if sock not in ready:
+            continue
         data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, MAX_FDS)
         if not data and not fds:
             return  # the requester closed its end
@@ -393,15 +409,20 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
         try:
             req = json.loads(data)
             handler = ops[req["op"]]
+            target_fd = -1
             if req["op"] == "create":
                 unshare(CLONE_NEWPID)  # our next child is pid 1 of a new pid namespace
-                try:
-                    pid = os.fork()
-                finally:
-                    if os.getpid() == server_pid:
-                        restore_pid_namespace(own_pidns)
-            else:
+            elif req["op"] == "exec":
+                target_fd = os.pidfd_open(int(req["target"]))
+                setns(target_fd, CLONE_NEWPID)  # our next child is born in the target's pid namespace
+            try:
                 pid = os.fork()
+            finally:
+                if os.getpid() == server_pid:
+                    if req["op"] in ("create", "exec"):
+                        restore_pid_namespace(own_pidns)
+                    if target_fd != -1:
+                        os.close(target_fd)
             if pid == 0:
                 try:
                     sock.close()
@@ -410,13 +431,30 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
                     if fds:
                         report(fds[-1], f"E{exc}")
                 finally:
-                    os._exit(0)
+                    os._exit(127)
+            if req["op"] == "exec":
+                waiting[pid] = os.dup(fds[-1])
         except Exception as exc:  # a malformed request: answer on its status pipe, keep serving
             if fds:
                 report(fds[-1], f"E{type(exc).__name__}: {exc}")
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def reap(waiting: dict[int, int]) -> None:
+    """Collect every child that ended; tell an exec's requester how its command ended."""
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        status = waiting.pop(pid, None)
+        if status is not None:
+            report(status, f"X{wait_status}")
+            os.close(status)
 
 
 def main() -> None:
