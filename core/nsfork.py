@@ -382,7 +382,7 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)  # one wake-up reaps every child that ended
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below through wake_w
     waiting: dict[int, int] = {}
     """exec children -> their status pipe: we are their parent, so we report how they ended."""
@@ -415,10 +415,11 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
             elif req["op"] == "exec":
                 target_fd = os.pidfd_open(int(req["target"]))
                 setns(target_fd, CLONE_NEWPID)  # our next child is born in the target's pid namespace
+            pid = -1
             try:
                 pid = os.fork()
             finally:
-                if os.getpid() == server_pid:
+                if pid != 0:  # the server (forked or not); never the child, whatever its pid
                     if req["op"] in ("create", "exec"):
                         restore_pid_namespace(own_pidns)
                     if target_fd != -1:
