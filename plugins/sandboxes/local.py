@@ -210,7 +210,10 @@ class LocalBackend:
         return sandbox
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(sandbox.close() for sandbox in list(self._open)))
+        results = await asyncio.gather(*(sandbox.close() for sandbox in list(self._open)), return_exceptions=True)
         if self.nsexec is not None:
-            self.nsexec.close()
+            self.nsexec.close()  # whatever failed above: its init dies with the server
             self.nsexec = None
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
