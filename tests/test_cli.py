@@ -6,7 +6,7 @@ from .conftest import ROOT, run_cli
 
 
 def test_help_on_every_command():
-    for command in ["run", "check", "plugins", "schema", "new-plugin"]:
+    for command in ["run", "check", "plugins", "schema", "new-plugin", "sandbox-agent"]:
         result = run_cli(command, "--help")
         assert result.returncode == 0 and "usage: i3core" in result.stdout
 

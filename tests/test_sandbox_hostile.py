@@ -93,8 +93,8 @@ def test_infinite_loop_times_out_and_is_killed(backend):
             result = await sb.exec("while :; do :; done", timeout=1.5)
             assert result.timed_out and result.exit_code is None, result
             assert time.monotonic() - start < 10
-            left = await sb.exec(["ps", "-eo", "comm="])  # no shell of its own, which ps would list as sh
-            assert "sh" not in left.stdout.split(), left  # the looping shell is gone
+            left = await sb.exec(["ps", "-eo", "comm="])  # an argv: no shell of our own to count
+            assert left.exit_code == 0 and "sh" not in left.stdout.split(), left  # the looping shell is gone
 
     run(go())
 
