@@ -1,8 +1,9 @@
 """Built-in sandbox backends: where model-written code runs (the ``[sandbox]`` section)."""
 
 from i3core import hookimpl
+from i3core.plugins.sandboxes.k8s import K8sSandboxes
 
 
 @hookimpl
 def i3_register_sandboxes(register):
-    pass
+    register("k8s", K8sSandboxes)
