@@ -279,6 +279,35 @@ def test_agent_client_with_no_agent_is_a_sandbox_error():
     asyncio.run(go())
 
 
+def kubeconfig_for(tmp_path: Path, server: str) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "here",
+        "clusters": [{"name": "here", "cluster": {"server": server}}],
+        "users": [{"name": "me", "user": {"token": "not-a-real-token"}}],
+        "contexts": [{"name": "here", "context": {"cluster": "here", "user": "me"}}],
+    }))  # fmt: skip
+    return path
+
+
+def test_create_without_a_reachable_api_server_is_a_sandbox_error(token, tmp_path):
+    async def go():
+        sandboxes = backend(kubeconfig=str(kubeconfig_for(tmp_path, f"http://127.0.0.1:{free_port()}")),
+                            webhook_host="127.0.0.1", webhook_port=free_port())  # fmt: skip
+        with pytest.raises(SandboxError, match="cannot create sandbox Pod .*unreachable"):
+            await sandboxes.create()
+        assert sandboxes._webhook._waiting == {}  # the failed sandbox is not awaited any more
+        with pytest.raises(SandboxError, match="cannot delete the run's sandbox Pods"):
+            await sandboxes.aclose()
+        assert sandboxes._webhook._runner is None  # stopped all the same
+        missing = backend(kubeconfig=str(tmp_path / "nowhere"), webhook_host="127.0.0.1", webhook_port=free_port())
+        with pytest.raises(SandboxError, match="through the kubeconfig"):
+            await missing.create()
+        await missing.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
 # -- i3core sandbox manifests ----------------------------------------------------------------------------
 
 

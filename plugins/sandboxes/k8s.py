@@ -43,7 +43,6 @@ Threat model (model-written code in the target container is hostile):
 
 import asyncio
 import hmac
-import importlib.util
 import ipaddress
 import json
 import os
@@ -98,13 +97,25 @@ READY_PATH = "/ready"
 """The webhook's route; ``webhook_url`` must end with it."""
 MAX_READY_BODY = 4096
 """Largest readiness POST the webhook reads (it is two short strings)."""
+API_TIMEOUT_S = 30.0
+"""Longest a single API server request may take (a create, a delete)."""
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 def require_client() -> None:
     """A clear error when the ``k8s`` extra is missing (checked when the component is built)."""
-    if importlib.util.find_spec("kubernetes_asyncio") is None:
-        raise I3Error("the k8s sandbox backend needs kubernetes_asyncio: pip install 'i3core[k8s]'")
+    try:
+        import kubernetes_asyncio  # noqa: F401
+    except ImportError as exc:
+        raise I3Error(f"the k8s sandbox backend needs kubernetes_asyncio ({exc}): pip install 'i3core[k8s]'") from None
+
+
+class ApiRefused(SandboxError):
+    """The API server answered a request with an error status."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(message)
 
 
 class K8sConfig(SandboxConfig):
@@ -513,6 +524,10 @@ class AgentClient(SandboxBase):
             return False
         return status == 200
 
+    def detach(self) -> None:
+        """Close without the release step (the backend frees every Pod of the run at once)."""
+        self._release = None
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -574,9 +589,11 @@ class K8sSandboxes:
     def new_id(self) -> str:
         return f"{self.config.run_label}-{secrets.token_hex(5)}"
 
-    async def _pods(self):
-        """The CoreV1Api, built on first use from the kubeconfig or the in-cluster service account."""
+    async def _api(self, call: str, *args, **kwargs) -> Any:
+        """One CoreV1Api call (the client built on first use from the kubeconfig or the in-cluster service
+        account). :raises SandboxError: the API server refused, failed or could not be reached."""
         from kubernetes_asyncio import client, config as kube_config
+        from kubernetes_asyncio.client.exceptions import ApiException
 
         if self._api_client is None:
             try:
@@ -588,7 +605,13 @@ class K8sSandboxes:
             except (kube_config.ConfigException, OSError) as exc:
                 where = "the in-cluster service account" if self.config.in_cluster else "the kubeconfig"
                 raise SandboxError(f"cannot reach the Kubernetes API through {where}: {exc}") from None
-        return client.CoreV1Api(self._api_client)
+        try:
+            return await getattr(client.CoreV1Api(self._api_client), call)(*args, _request_timeout=API_TIMEOUT_S,
+                                                                           **kwargs)  # fmt: skip
+        except ApiException as exc:
+            raise ApiRefused(exc.status, f"Kubernetes API {call}: {exc.status} {exc.reason}") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise SandboxError(f"Kubernetes API {call}: unreachable: {type(exc).__name__}: {exc}") from None
 
     async def _started_webhook(self) -> ReadinessWebhook:
         if self._webhook is None:
@@ -597,19 +620,20 @@ class K8sSandboxes:
         return self._webhook
 
     async def create(self) -> AgentClient:
-        """A new sandbox Pod, returned once its agent has POSTed its readiness; never polls the API server."""
-        from kubernetes_asyncio.client.exceptions import ApiException
+        """A new sandbox Pod, returned once its agent has POSTed its readiness; never polls the API server.
 
+        :raises SandboxError: the Pod cannot be created, or its agent did not report within
+            ``readiness_timeout_s`` (the Pod is deleted then).
+        """
         webhook = await self._started_webhook()
-        pods = await self._pods()
         await self._bucket.acquire()
         sandbox_id = self.new_id()
         ready = webhook.expect(sandbox_id)
         try:
-            await pods.create_namespaced_pod(self.config.namespace, pod_manifest(self.config, sandbox_id))
-        except ApiException as exc:
+            await self._api("create_namespaced_pod", self.config.namespace, pod_manifest(self.config, sandbox_id))
+        except SandboxError as exc:
             webhook.forget(sandbox_id)
-            raise SandboxError(f"cannot create sandbox Pod {sandbox_id}: {exc.status} {exc.reason}") from None
+            raise SandboxError(f"cannot create sandbox Pod {sandbox_id}: {exc}") from None
         try:
             address = await webhook.wait(sandbox_id, ready, self.config.readiness_timeout_s)
         except BaseException:
@@ -629,35 +653,34 @@ class K8sSandboxes:
         return sandbox
 
     async def _delete(self, sandbox_id: str) -> None:
-        from kubernetes_asyncio.client.exceptions import ApiException
-
-        pods = await self._pods()
+        """Delete one sandbox Pod; a failure is logged, not raised (aclose() deletes the run's Pods by label)."""
         try:
-            await pods.delete_namespaced_pod(sandbox_id, self.config.namespace, grace_period_seconds=DELETE_GRACE_S)
-        except ApiException as exc:
+            await self._api("delete_namespaced_pod", sandbox_id, self.config.namespace,
+                            grace_period_seconds=DELETE_GRACE_S)  # fmt: skip
+        except ApiRefused as exc:
             if exc.status != 404:
-                log.warning("sandbox pod not deleted; aclose() deletes it by label", sandbox=sandbox_id,
-                            status=exc.status, reason=exc.reason)  # fmt: skip
+                log.warning("sandbox pod not deleted; aclose() deletes it by label", sandbox=sandbox_id, error=str(exc))
+        except SandboxError as exc:
+            log.warning("sandbox pod not deleted; aclose() deletes it by label", sandbox=sandbox_id, error=str(exc))
 
     async def aclose(self) -> None:
-        """Every Pod of the run deleted at once (by its i3core/run label), then the webhook stopped."""
+        """Every Pod of the run deleted at once (by its i3core/run label), then the webhook stopped.
+
+        :raises SandboxError: the bulk delete failed (the webhook is stopped anyway).
+        """
         for sandbox in list(self._open.values()):
-            sandbox._release = None  # the bulk delete below removes their Pods in one call
+            sandbox.detach()  # the bulk delete below removes their Pods in one call
             await sandbox.close()
         self._open.clear()
         try:
             if self._api_client is not None:
-                from kubernetes_asyncio.client.exceptions import ApiException
-
-                pods = await self._pods()
                 try:
-                    await pods.delete_collection_namespaced_pod(
-                        self.config.namespace, label_selector=f"{RUN_LABEL}={self.config.run_label}",
-                        grace_period_seconds=DELETE_GRACE_S,
-                    )  # fmt: skip
-                except ApiException as exc:
+                    await self._api("delete_collection_namespaced_pod", self.config.namespace,
+                                    label_selector=f"{RUN_LABEL}={self.config.run_label}",
+                                    grace_period_seconds=DELETE_GRACE_S)  # fmt: skip
+                except SandboxError as exc:
                     raise SandboxError(f"cannot delete the run's sandbox Pods (label {RUN_LABEL}="
-                                       f"{self.config.run_label}): {exc.status} {exc.reason}") from None  # fmt: skip
+                                       f"{self.config.run_label}): {exc}") from None  # fmt: skip
                 finally:
                     await self._api_client.close()
                     self._api_client = None
