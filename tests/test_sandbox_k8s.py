@@ -130,7 +130,8 @@ def test_network_policy_lets_in_the_agent_port_and_out_only_the_webhook(token):
     policy = by_kind(backend(agent_port=9000).manifests())["NetworkPolicy"]["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9000}]}]
-    assert policy["egress"] == [{"ports": [{"protocol": "TCP", "port": 8788}], "to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}]}]
+    webhook_only = {"ports": [{"protocol": "TCP", "port": 8788}], "to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}]}
+    assert policy["egress"] == [webhook_only]
     by_name = by_kind(backend(webhook_url=WEBHOOK_BY_NAME).manifests())["NetworkPolicy"]["spec"]["egress"]
     assert by_name[0] == {"ports": [{"protocol": "TCP", "port": 8788}]}
     assert {p["port"] for p in by_name[1]["ports"]} == {53} and len(by_name) == 2

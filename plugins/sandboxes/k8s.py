@@ -575,8 +575,8 @@ class K8sSandboxes:
         """The agents' bearer token, from the environment variable ``token_env``."""
         token = os.environ.get(self.config.token_env, "")
         if not token:
-            raise I3Error(f"set ${self.config.token_env} to the sandbox agents' bearer token "
-                          "(e.g. $(openssl rand -hex 32)); the orchestrator and the Secret need the same value")  # fmt: skip
+            raise I3Error(f"set ${self.config.token_env} to the sandbox agents' bearer token (e.g. "
+                          "$(openssl rand -hex 32)); the orchestrator and the Secret need the same value")
         return token
 
     def manifests(self) -> list[dict[str, Any]]:
