@@ -144,6 +144,13 @@ def test_secret_carries_the_token_from_the_environment(token, monkeypatch):
         backend().manifests()
 
 
+def test_component_meets_the_protocols(token):
+    from i3core.protocols import Sandbox, SandboxBackend
+
+    assert isinstance(backend(), SandboxBackend)
+    assert isinstance(AgentClient("sb", "127.0.0.1:1", "t", K8sConfig(webhook_url=WEBHOOK_BY_IP)), Sandbox)
+
+
 def test_config_refuses_bad_values():
     with pytest.raises(ConfigError) as info:
         make_component("sandbox", "k8s", webhook_url="http://x:1/ready", in_cluster=True, kubeconfig="/k")
