@@ -28,6 +28,7 @@ from i3core.plugins.sandboxes.k8s import (
     ReadinessWebhook,
     TokenBucket,
     agent_args,
+    command_uid,
     dns_name,
     pod_manifest,
 )
@@ -98,7 +99,9 @@ def test_pod_security_settings(token):
     assert tsc["runAsNonRoot"] is True and tsc["runAsUser"] != 0 and tsc["allowPrivilegeEscalation"] is False
     assert tsc["readOnlyRootFilesystem"] is True and tsc["capabilities"] == {"drop": ["ALL"]}
     assert tsc["privileged"] is False
-    assert target["resources"]["limits"] == {"cpu": "1500m", "memory": "768Mi"} == target["resources"]["requests"]
+    # commands stay in the agent's cgroup (nsenter joins namespaces, not cgroups): the sandbox's limits are there
+    assert agent["resources"]["limits"] == {"cpu": "1750m", "memory": "896Mi"} == agent["resources"]["requests"]
+    assert target["resources"]["limits"] == {"cpu": "10m", "memory": "16Mi"}
     assert {"name": "work", "mountPath": "/work"} in target["volumeMounts"]
     work = next(v for v in spec["volumes"] if v["name"] == "work")
     assert work["emptyDir"] == {"medium": "Memory", "sizeLimit": "768Mi"}
@@ -110,7 +113,18 @@ def test_pod_security_settings(token):
     token_env = next(e for e in agent["env"] if e["name"] == AGENT_TOKEN_ENV)
     assert token_env["valueFrom"]["secretKeyRef"] == {"name": "i3core-sandboxes-token", "key": "token"}
     assert not any("secret" in json.dumps(e).lower() for e in target.get("env", []))  # the target never sees it
-    assert agent["command"][:2] == ["i3core", "sandbox-agent"] and cfg.webhook_url in agent["command"]
+    command = agent["command"]
+    assert command[:2] == ["i3core", "sandbox-agent"] and cfg.webhook_url in command
+    flags = dict(zip(command[2::2], command[3::2]))
+    assert flags["--memory-mb"] == "768" and flags["--cpus"] == "1.5" and flags["--workdir"] == "/work"
+    assert flags["--uid"] == flags["--gid"] != str(tsc["runAsUser"])  # /reset must never kill the sleeper
+    assert int(flags["--uid"]) >= 1_000_000
+
+
+def test_each_sandbox_runs_its_commands_as_its_own_uid():
+    uids = {command_uid(f"i3core-{i:010x}") for i in range(256)}  # a full node
+    assert len(uids) >= 250 and min(uids) >= 1_000_000 and max(uids) < 1_000_000 + (1 << 24)
+    assert command_uid("i3core-0000000001") == command_uid("i3core-0000000001")
 
 
 def test_pod_gets_a_dns_record_from_the_headless_service(token):
@@ -391,16 +405,21 @@ def agent_available() -> bool:
     return (ROOT / "core" / "sandbox_agent.py").exists()
 
 
+E2E_WORKDIR = "/tmp/work"
+"""The work directory inside the target: its /tmp is a tmpfs of its own mount namespace, like the Pod's emptyDir."""
+
+
 def namespaced_sleeper() -> tuple[subprocess.Popen, int]:
-    """``unshare`` holding new mount and PID namespaces around a sleeper; (the unshare process, the sleeper's pid)."""
+    """``unshare`` holding new mount and PID namespaces around the Pod's sleeper, with a private tmpfs on /tmp
+    (the host's /tmp is untouched); (the unshare process, the sleeper's host pid)."""
     import psutil
 
-    holder = subprocess.Popen(["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-                               "sleep", "2147483647"])
+    holder = subprocess.Popen(["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c",
+                               "mount -t tmpfs -o size=64m,mode=1777 i3core-e2e /tmp && exec sleep 2147483647"])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         children = psutil.Process(holder.pid).children()
-        if children and children[0].cmdline()[:1] == ["sleep"]:
+        if children and children[0].cmdline() == ["sleep", "2147483647"]:
             return holder, children[0].pid
         time.sleep(0.05)
     holder.kill()
@@ -425,15 +444,14 @@ def local_agent_argv(cfg: K8sConfig, sandbox_id: str, target_pid: int, port: int
 @pytest.mark.skipif(not agent_available(), reason="the sandbox agent (core/sandbox_agent.py) is not on this branch yet")
 def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
     token = secrets.token_hex(16)
-    work = tmp_path / "work"
-    work.mkdir()
+    work = E2E_WORKDIR
     holder, target_pid = namespaced_sleeper()
     sandbox_id = "i3core-e2e0000001"
 
     async def go():
         webhook = ReadinessWebhook(token, "127.0.0.1", 0)
         await webhook.start()
-        cfg = K8sConfig(webhook_url=f"http://127.0.0.1:{webhook.port}/ready", workdir=str(work), timeout_s=20,
+        cfg = K8sConfig(webhook_url=f"http://127.0.0.1:{webhook.port}/ready", workdir=work, timeout_s=20,
                         max_output_bytes=4096)  # fmt: skip
         port = free_port()
         ready = webhook.expect(sandbox_id)
@@ -464,7 +482,10 @@ def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
                 with pytest.raises(SandboxFileError):
                     await sb.read_file("missing.txt")
                 with pytest.raises(SandboxFileError):
-                    await sb.write_file("/etc/passwd", "x")
+                    await sb.write_file("/etc/passwd", "x")  # refused before any request
+                await sb.exec("ln -s /etc/passwd escape")
+                with pytest.raises(SandboxFileError):
+                    await sb.read_file("escape")  # refused by the agent (400)
                 await sb.reset()
                 assert (await sb.exec("ls -A")).stdout == ""
                 async with AgentClient(sandbox_id, address, "wrong-token", cfg) as intruder:

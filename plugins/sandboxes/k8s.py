@@ -15,33 +15,41 @@ The INTELLECT-3 layout (Prime Sandboxes), without a home-made control plane:
   per sandbox (rate limited, :class:`TokenBucket`) and one delete per sandbox,
   plus one delete-by-label of the whole run at :meth:`K8sSandboxes.aclose`.
 
-Threat model (model-written code in the target container is hostile):
+Threat model (model-written code is hostile; the agent and the orchestrator are trusted):
 
-- covered: the target container runs as an unprivileged user (65534), with
-  every capability dropped, no privilege escalation (``no_new_privs``), a
-  read-only root filesystem, a seccomp RuntimeDefault profile, and CPU and
-  memory limits (``cpus``, ``memory_mb``); its only writable places are
-  the work directory and ``/tmp``, memory-backed ``emptyDir`` volumes that
-  count toward its memory limit. The Pod has no service-account token, no
-  service links, and a NetworkPolicy that lets in only the agent's port and
-  lets out only the readiness webhook's port (plus cluster DNS when the
-  webhook URL names a host rather than an IP). The agent's bearer token comes
-  from a Secret mounted as an environment variable of the agent only; the
-  agent runs as root, so the target's user cannot read its
+- covered: the agent runs each command in the target's pid, mount, ipc and
+  uts namespaces and root, as a uid of its own per sandbox (never the
+  sleeper's, never an image's user), with no capabilities, no_new_privs,
+  rlimits (``pids``, ``file_size_mb``, memory as address space where no
+  memory cgroup can be made) and a fresh network namespace with only
+  loopback (the agent's own, not the Pod's network). The target's root
+  filesystem is read-only; the work directory and ``/tmp`` are
+  memory-backed ``emptyDir`` volumes. nsenter joins namespaces, not cgroups:
+  the commands live in the agent container's cgroup, so ``cpus`` and
+  ``memory_mb`` are the agent container's limits (plus the agent's own
+  share) and the target container holds only the sleeper (uid 65534, every
+  capability dropped, no privilege escalation). The Pod has a RuntimeDefault
+  seccomp profile, no service-account token and no service links; a
+  NetworkPolicy lets in only the agent port and lets out only the readiness
+  webhook's port (plus cluster DNS when the webhook URL names a host). The
+  bearer token comes from a Secret, in the agent's environment only; the
+  agent runs as root, so the commands' uid cannot read its
   ``/proc/<pid>/environ`` through the shared process namespace.
 - not covered: the agent holds the capabilities nsenter needs (SYS_ADMIN,
   SYS_PTRACE, SYS_CHROOT, SETUID/SETGID, KILL, DAC_OVERRIDE, FOWNER, CHOWN):
-  a bug in the agent, or a kernel escape from the target, is a Pod escape.
-  The NetworkPolicy is enforced only by a CNI that implements it (Calico,
-  Cilium, ...); on others the Pod's network is open. Every sandbox of a run
-  shares one token; the agent port is open to the whole cluster network, so
-  the token is all that keeps other Pods out. Kubernetes has no per-Pod
-  process limit in the Pod spec: ``pids`` and ``file_size_mb`` are applied by
-  the agent per command, and the node's ``podPidsLimit`` is the backstop.
-  The target image is trusted to be what its name says (pin it by digest).
+  a bug in the agent or a kernel escape from a command is a Pod escape. A
+  memory-hungry command shares the agent container's memory limit, so the
+  OOM killer may pick the agent (the sandbox then fails with SandboxError).
+  A NetworkPolicy is enforced only by a CNI that implements it (Calico,
+  Cilium, ...). Every sandbox of a run shares one token, and the agent port
+  is open to the cluster network: the token is all that keeps other Pods
+  out. The Pod spec has no process limit: the node's ``podPidsLimit`` is the
+  backstop to the per-uid ``pids``. The images are trusted to be what their
+  names say (pin them by digest).
 """
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -75,7 +83,11 @@ AGENT_TOKEN_ENV = "I3CORE_AGENT_TOKEN"
 POD_IP_ENV = "POD_IP"
 """Set from the downward API in the agent container: the address it reports when ready."""
 SANDBOX_USER = 65534
-"""uid/gid of the target container ("nobody"): not root, owns nothing in the image."""
+"""uid/gid of the target container's sleeper ("nobody"): not root, owns nothing in the image."""
+COMMAND_UID_BASE = 1_000_000
+COMMAND_UIDS = 1 << 24
+"""Commands run as COMMAND_UID_BASE + (id mod COMMAND_UIDS): never the sleeper's uid (a /reset kills every
+process of the command uid in the Pod's pid namespace), never an image's user."""
 SLEEPER = ["sleep", "2147483647"]
 """The target container's only process of its own: keeps its namespaces alive (coreutils and busybox)."""
 TARGET_MATCH = r"^sleep 2147483647$"
@@ -83,8 +95,11 @@ TARGET_MATCH = r"^sleep 2147483647$"
 AGENT_CAPABILITIES = ["SYS_ADMIN", "SYS_PTRACE", "SYS_CHROOT", "SETUID", "SETGID", "KILL", "DAC_OVERRIDE",
                       "FOWNER", "CHOWN"]  # fmt: skip
 """What nsenter into another container's namespaces as its user, killing its processes and owning its files needs."""
-AGENT_RESOURCES = {"cpu": "250m", "memory": "128Mi"}
-"""The sidecar serves small JSON requests; its own limits keep it from eating the target's share."""
+AGENT_OWN_CPU = 0.25
+AGENT_OWN_MEMORY_MB = 128
+"""The agent's own share on top of the sandbox's limits: it serves small JSON requests (one Python process)."""
+SLEEPER_RESOURCES = {"cpu": "10m", "memory": "16Mi"}
+"""The target container runs only the sleeper: the commands live in the agent container's cgroup."""
 TMP_MB = 64
 """Size of the target's /tmp (memory-backed, counted in its memory limit)."""
 HTTP_SLACK_S = 30.0
@@ -180,34 +195,46 @@ def _cpu(cores: float) -> str:
     return f"{round(cores * 1000)}m"
 
 
+def command_uid(sandbox_id: str) -> int:
+    """The uid (and gid) the agent runs this sandbox's commands as: one per sandbox, none of an image's users.
+
+    RLIMIT_NPROC (the agent's ``pids`` limit without a pids cgroup) counts the
+    processes of a uid across the whole node: sandboxes sharing a node must not
+    share a uid. Derived from a hash of the id (2**24 choices).
+    """
+    digest = hashlib.sha256(sandbox_id.encode()).digest()
+    return COMMAND_UID_BASE + int.from_bytes(digest[:8], "big") % COMMAND_UIDS
+
+
 def agent_args(cfg: K8sConfig, sandbox_id: str) -> list[str]:
-    """The sidecar's command line: ``i3core sandbox-agent`` aimed at the target's sleeper."""
-    return [
+    """The sidecar's command line: ``i3core sandbox-agent`` aimed at the target's sleeper, with every limit."""
+    uid = str(command_uid(sandbox_id))
+    args = [
         "i3core", "sandbox-agent",
         "--target-match", TARGET_MATCH,
         "--host", "0.0.0.0", "--port", str(cfg.agent_port),
         "--token-env", AGENT_TOKEN_ENV,
-        "--workdir", cfg.workdir,
         "--sandbox-id", sandbox_id,
         "--advertise", f"$({POD_IP_ENV}):{cfg.agent_port}",
         "--ready-url", cfg.webhook_url,
-        "--timeout-s", str(cfg.timeout_s),
-        "--max-output-bytes", str(cfg.max_output_bytes),
-        "--max-file-bytes", str(cfg.max_file_bytes),
-        "--pids", str(cfg.pids),
-        "--file-size-mb", str(cfg.file_size_mb),
+        "--uid", uid, "--gid", uid,
     ]  # fmt: skip
+    for name in SandboxConfig.model_fields:
+        args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
+    return args
 
 
 def pod_manifest(cfg: K8sConfig, sandbox_id: str) -> dict[str, Any]:
     """One sandbox: the target container (a sleeper) and the agent sidecar, sharing a process namespace."""
-    limits = {"cpu": _cpu(cfg.cpus), "memory": f"{cfg.memory_mb}Mi"}
+    # nsenter joins the target's namespaces, not its cgroup: a command stays in the cgroup of the agent that
+    # forked it, so the sandbox's cpus/memory_mb are the agent container's limits (plus the agent's own share)
+    agent_limits = {"cpu": _cpu(cfg.cpus + AGENT_OWN_CPU), "memory": f"{cfg.memory_mb + AGENT_OWN_MEMORY_MB}Mi"}
     target = {
         "name": "target",
         "image": cfg.image,
         "command": SLEEPER,
         "workingDir": cfg.workdir,
-        "resources": {"limits": limits, "requests": dict(limits)},
+        "resources": {"limits": dict(SLEEPER_RESOURCES), "requests": dict(SLEEPER_RESOURCES)},
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": SANDBOX_USER,
@@ -228,7 +255,7 @@ def pod_manifest(cfg: K8sConfig, sandbox_id: str) -> dict[str, Any]:
             {"name": AGENT_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name(cfg), "key": TOKEN_KEY}}},
             {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
-        "resources": {"limits": dict(AGENT_RESOURCES), "requests": dict(AGENT_RESOURCES)},
+        "resources": {"limits": agent_limits, "requests": dict(agent_limits)},
         "securityContext": {
             "runAsUser": 0,  # allowPrivilegeEscalation stays unset: the API refuses false next to SYS_ADMIN
             "runAsNonRoot": False,
@@ -254,7 +281,7 @@ def pod_manifest(cfg: K8sConfig, sandbox_id: str) -> dict[str, Any]:
             "enableServiceLinks": False,
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": DELETE_GRACE_S,
-            "securityContext": {"fsGroup": SANDBOX_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [target, agent],
             "volumes": [
                 {"name": "work", "emptyDir": {"medium": "Memory", "sizeLimit": f"{cfg.memory_mb}Mi"}},
