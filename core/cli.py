@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -25,6 +26,29 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value (TOML syntax, e.g. --set loss.mask_high=4.0); repeatable",
     )
+
+
+def _add_agent_args(parser: argparse.ArgumentParser) -> None:
+    from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID, SandboxConfig
+
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target-pid", type=int, help="host pid of the process whose namespaces commands join")
+    target.add_argument("--target-match", metavar="REGEX", help="the target is the first (lowest pid) process whose "
+                        "command line (arguments joined by spaces) matches REGEX (re.search)")  # fmt: skip
+    parser.add_argument("--target-wait-s", type=float, default=60.0, help="how long to wait for --target-match")
+    parser.add_argument("--host", default="0.0.0.0", help="address to serve on")
+    parser.add_argument("--port", type=int, default=8080, help="port to serve on (0: any free port)")
+    parser.add_argument("--token-env", default=AGENT_TOKEN_ENV, help="environment variable holding the bearer token")
+    parser.add_argument("--sandbox-id", default=socket.gethostname(), help="id reported in the readiness POST")
+    parser.add_argument("--advertise", metavar="HOST:PORT", help="address reported in the readiness POST "
+                        "(default: --host and the bound port)")  # fmt: skip
+    parser.add_argument("--ready-url", help="URL to POST {sandbox, address} to once serving (none: no POST)")
+    parser.add_argument("--uid", type=int, default=AGENT_UID, help="uid commands run as (not the target's own)")
+    parser.add_argument("--gid", type=int, default=AGENT_UID, help="gid commands run as")
+    defaults = SandboxConfig()
+    for name, spec in SandboxConfig.model_fields.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(defaults, name)),
+                            default=getattr(defaults, name), help=spec.description)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(trainer)
     trainer.set_defaults(func=cmd_trainer)
 
+    agent = commands.add_parser("sandbox-agent", help="serve one sandbox's HTTP API (the Kubernetes sidecar)",
+                                description="Run commands inside a target process's namespaces, over the HTTP API "
+                                "of docs/sandboxes.md; the bearer token comes from an environment variable.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_agent_args(agent)
+    agent.set_defaults(func=cmd_sandbox_agent)
+
     sandbox = commands.add_parser("sandbox", help="sandbox backend tools (see docs/sandboxes.md)",
                                   description="Tools for the [sandbox] backend of a config.")
     sandbox_commands = sandbox.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND",
@@ -100,6 +131,12 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core import trainer
 
     return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
+
+
+def cmd_sandbox_agent(args: argparse.Namespace) -> int:
+    from i3core import sandbox_agent
+
+    return sandbox_agent.main(args)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

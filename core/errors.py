@@ -44,6 +44,10 @@ class SandboxFileError(I3Error):
     missing, or too large. The sandbox is still healthy."""
 
 
+class SandboxFileNotFound(SandboxFileError):
+    """A ``read_file`` path names nothing (the sandbox agent answers 404 for it, 400 for other refusals)."""
+
+
 class ConfigError(I3Error):
     """A plugins.toml has problems; ``problems`` holds every one of them."""
 

@@ -14,10 +14,16 @@ from pathlib import Path, PurePosixPath
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import SandboxFileError
+from i3core.errors import SandboxFileError, SandboxFileNotFound
 
 READ_CHUNK = 64 * 1024
 """Bytes per read of a command's output; beyond the cap the rest is read and dropped, so the writer never blocks."""
+
+
+AGENT_TOKEN_ENV = "I3CORE_AGENT_TOKEN"
+"""Default environment variable the sandbox agent reads its bearer token from (``--token-env``)."""
+AGENT_UID = 1_000_000
+"""Default uid/gid of the agent's commands: no image's user (a target running as it would die on /reset)."""
 
 
 class SandboxConfig(BaseModel):
@@ -40,7 +46,7 @@ def argv(cmd: str | Sequence[str]) -> list[str]:
     """The argv of ``cmd``: a string runs under ``/bin/sh -c``, a sequence as it is."""
     if isinstance(cmd, str):
         return ["/bin/sh", "-c", cmd]
-    args = list(cmd)
+    args = list(cmd) if isinstance(cmd, Sequence) else []
     if not args or not all(isinstance(a, str) for a in args):
         raise ValueError(f"exec needs a shell string or a non-empty list of strings, got {cmd!r}")
     return args
@@ -96,6 +102,8 @@ def _open_dir_beneath(root_fd: int, parts: Sequence[str], create: bool, uid: int
                     pass
             try:
                 nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                raise SandboxFileNotFound(f"{part!r}: no such directory") from None
             except OSError as exc:
                 raise SandboxFileError(f"{part!r}: {exc.strerror} (a symlink or not a directory?)") from None
             os.close(fd)
@@ -117,7 +125,7 @@ def read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
         try:
             fd = os.open(rel.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
-            raise SandboxFileError(f"{str(rel)!r}: no such file") from None
+            raise SandboxFileNotFound(f"{str(rel)!r}: no such file") from None
         except OSError as exc:
             raise SandboxFileError(f"{str(rel)!r}: {exc.strerror} (a symlink?)") from None
     finally:

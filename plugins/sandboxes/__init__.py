@@ -2,8 +2,10 @@
 
 from i3core import hookimpl
 from i3core.plugins.sandboxes.k8s import K8sSandboxes
+from i3core.plugins.sandboxes.local import LocalBackend
 
 
 @hookimpl
 def i3_register_sandboxes(register):
+    register("local", LocalBackend)
     register("k8s", K8sSandboxes)

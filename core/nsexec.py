@@ -1,0 +1,441 @@
+"""Run one command inside the namespaces of a target process: what the local backend and the sandbox agent share.
+
+A command joins the target's pid, mount, ipc, uts and net namespaces (the
+agent gives commands a fresh network namespace instead), its root and work
+directory, as an unprivileged uid/gid with no capabilities and no_new_privs,
+with rlimits, a clean environment (PATH, HOME=workdir, LANG; never the
+host's), stdin from /dev/null and stdout/stderr read through
+:func:`~i3core.sandbox.read_capped` (a gigabyte of output is read and dropped,
+the writer never blocks). On a timeout every process of the sandbox but its
+init is killed: ``kill(-1, SIGKILL)`` as the sandbox uid inside its pid
+namespace, which reaches every process the sandbox started (they all run as
+that uid) and nothing else (the init and the agent run as root).
+
+The forking is done by a small single-threaded server, :mod:`i3core.nsfork`
+(one per :class:`NsExec`), so that this asyncio process, which may hold
+threads and a large heap, never forks. A trivial command costs one request
+datagram, two forks of that small server and one execve.
+
+Files go beneath the work directory with
+:func:`~i3core.sandbox.read_beneath`/:func:`~i3core.sandbox.write_beneath`
+(no symlink ever followed), through a host path of it (the local backend's
+backing directory, or ``/proc/<pid>/root/<workdir>`` for the agent).
+
+Limits come from cgroup v1 controllers (memory, pids, cpu) where the host
+lets us make child cgroups of our own; without a memory cgroup, memory is an
+address-space rlimit per process instead and ``oom_killed`` is None.
+"""
+
+import asyncio
+import json
+import math
+import os
+import re
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from i3core.errors import SandboxError, SandboxFileError
+from i3core.sandbox import SandboxConfig, decode, read_beneath, read_capped, relative_path, write_beneath
+from i3core.types import ExecResult
+
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""A command's PATH: the system's, so ``python3`` is /usr/bin/python3 and never a shim of the host's user."""
+CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
+CPU_PERIOD_US = 100_000
+"""CFS period for the cpu quota (the kernel's default)."""
+OPEN_FILES = 1024
+"""RLIMIT_NOFILE of a command."""
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send buffer of the request socket: room for requests queued while the server forks, and for a long argv."""
+SEND_RETRY_S = 0.001
+STOP_WAIT_S = 10.0
+"""How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
+SERVER_WAIT_S = 10.0
+"""How long a probe or a sandbox creation may take before the fork server counts as stuck."""
+
+
+def sandbox_env(workdir: str) -> dict[str, str]:
+    """A command's whole environment; nothing of the host's."""
+    return {"PATH": PATH, "HOME": workdir, "LANG": "C.UTF-8", "USER": "sandbox", "TMPDIR": "/tmp"}
+
+
+# --- cgroups ------------------------------------------------------------------------------------
+
+
+def cgroup_parents() -> tuple[dict[str, Path], dict[str, str]]:
+    """Per cgroup v1 controller we use, our own cgroup directory if we may make children in it.
+
+    :return: (usable controllers -> parent directory, missing controllers -> why).
+    """
+    mounts: dict[str, tuple[str, str]] = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        before, _, after = line.partition(" - ")
+        fields, tail = before.split(), after.split()
+        if tail and tail[0] == "cgroup":
+            for option in tail[-1].split(","):
+                mounts.setdefault(option, (fields[4], fields[3]))  # mount point, root inside the hierarchy
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(","):
+            own[name] = path
+    parents, missing = {}, {}
+    for name in CGROUP_CONTROLLERS:
+        if name not in mounts or name not in own:
+            missing[name] = "no cgroup v1 hierarchy"
+            continue
+        point, root = mounts[name]
+        path = own[name]
+        relative = path[len(root):] if root != "/" and path.startswith(root) else path
+        parent = Path(point) / relative.lstrip("/")
+        probe = parent / f"i3core-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            probe.rmdir()
+        except OSError as exc:
+            missing[name] = f"cannot make a child cgroup of {parent}: {exc.strerror}"
+            continue
+        parents[name] = parent
+    return parents, missing
+
+
+@dataclass
+class Cgroup:
+    """One sandbox's cgroup directories, one per available controller."""
+
+    dirs: dict[str, Path]
+
+    @classmethod
+    def create(cls, parents: dict[str, Path], name: str, limits: SandboxConfig) -> "Cgroup":
+        cgroup = cls({})
+        settings = {
+            "memory": [("memory.limit_in_bytes", limits.memory_mb << 20),
+                       ("memory.memsw.limit_in_bytes", limits.memory_mb << 20)],  # no swap on top; absent: skipped
+            "pids": [("pids.max", limits.pids)],
+            "cpu": [("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", math.ceil(limits.cpus * CPU_PERIOD_US))],
+        }  # fmt: skip
+        try:
+            for controller, parent in parents.items():
+                path = parent / name
+                path.mkdir()
+                cgroup.dirs[controller] = path
+                for key, value in settings[controller]:
+                    if (path / key).exists():
+                        (path / key).write_text(str(value))
+        except OSError as exc:
+            cgroup.remove_now()
+            raise SandboxError(f"cannot set up the sandbox cgroup {name}: {exc}") from None
+        return cgroup
+
+    def procs_files(self) -> list[str]:
+        return [str(path / "cgroup.procs") for path in self.dirs.values()]
+
+    @property
+    def has_memory(self) -> bool:
+        return "memory" in self.dirs
+
+    def oom_kills(self) -> int | None:
+        """The memory cgroup's OOM-kill counter, or None without one."""
+        if "memory" not in self.dirs:
+            return None
+        match = re.search(r"^oom_kill (\d+)$", (self.dirs["memory"] / "memory.oom_control").read_text(), re.M)
+        return int(match.group(1)) if match else None
+
+    def remove_now(self) -> list[Path]:
+        """Remove every directory that has no process left; :return: those still busy."""
+        busy = []
+        for path in self.dirs.values():
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                busy.append(path)
+        return busy
+
+    async def remove(self) -> None:
+        """Remove the cgroup once its last (already killed) process has gone."""
+        deadline = time.monotonic() + STOP_WAIT_S
+        while busy := self.remove_now():
+            if time.monotonic() > deadline:
+                raise SandboxError(f"cgroup {busy[0]} still has processes after the sandbox was killed")
+            await asyncio.sleep(0.01)
+
+
+# --- the target and the fork server -------------------------------------------------------------
+
+
+@dataclass
+class Jail:
+    """Where and as whom commands run: a target process's namespaces, with limits."""
+
+    pid: int
+    """Host pid whose namespaces and root commands join (the sandbox's init)."""
+    uid: int
+    gid: int
+    limits: SandboxConfig
+    files: Path
+    """A host path of the work directory, for read_file/write_file/reset."""
+    cgroup: Cgroup | None = None
+
+    def rlimits(self, timeout: float) -> dict[str, int]:
+        limits = {
+            "RLIMIT_CPU": math.ceil(timeout * (os.cpu_count() or 1)) + 1,  # a backstop for detached processes
+            "RLIMIT_NPROC": self.limits.pids,  # per uid, so per sandbox: the pids cgroup's fallback
+            "RLIMIT_FSIZE": self.limits.file_size_mb << 20,
+            "RLIMIT_CORE": 0,
+            "RLIMIT_NOFILE": OPEN_FILES,
+        }
+        if self.cgroup is None or not self.cgroup.has_memory:
+            limits["RLIMIT_AS"] = self.limits.memory_mb << 20  # per process: weaker than a memory cgroup
+        return limits
+
+
+def _status_lines(text: str) -> list[tuple[str, str]]:
+    return [(line[:1], line[1:]) for line in text.splitlines() if line]
+
+
+def _raise_errors(lines: list[tuple[str, str]], what: str) -> None:
+    for kind, rest in lines:
+        if kind == "E":
+            raise SandboxError(f"{what}: {rest}")
+
+
+class NsExec:
+    """A client of one :mod:`i3core.nsfork` server; every method but :meth:`start`/:meth:`close` is usable from
+    any event loop (nothing here is bound to one)."""
+
+    def __init__(self, own_netns: bool = False):
+        self.own_netns = own_netns
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the fork server (once); with ``own_netns`` it makes a fresh network namespace for commands."""
+        if self._proc is not None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for sock, option in ((ours, socket.SO_SNDBUF), (theirs, socket.SO_RCVBUF)):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        server = Path(__file__).with_name("nsfork.py")
+        args = [sys.executable, "-I", str(server), str(theirs.fileno())] + (["--own-netns"] if self.own_netns else [])
+        try:
+            self._proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, env={"PATH": PATH}, start_new_session=True)  # fmt: skip
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+
+    def close(self) -> None:
+        """Stop the fork server; sandbox inits it made die with it."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=SERVER_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def _try_send(self, data: bytes, fds: list[int]) -> bool:
+        if self._sock is None:
+            raise SandboxError("the sandbox fork server is not running")
+        try:
+            socket.send_fds(self._sock, [data], fds)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise SandboxError(f"the sandbox fork server is gone: {exc}") from None
+        return True
+
+    async def _send(self, request: dict, fds: list[int]) -> int:
+        """Send ``request`` with ``fds`` (closed here); :return: the read end of its status pipe."""
+        status_r, status_w = os.pipe()
+        try:
+            data = json.dumps(request).encode()
+            while not self._try_send(data, [*fds, status_w]):
+                await asyncio.sleep(SEND_RETRY_S)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            for fd in (*fds, status_w):
+                os.close(fd)
+        return status_r
+
+    async def _call(self, request: dict, what: str) -> list[tuple[str, str]]:
+        """A request answered only on its status pipe; :return: its lines, after raising any error among them."""
+        reader, transport = await _pipe_reader(await self._send(request, []))
+        try:
+            text = decode(await asyncio.wait_for(reader.read(), SERVER_WAIT_S))
+        except TimeoutError:
+            raise SandboxError(f"{what}: the fork server did not answer within {SERVER_WAIT_S:g}s") from None
+        finally:
+            transport.close()
+        lines = _status_lines(text)
+        _raise_errors(lines, what)
+        if not lines:
+            raise SandboxError(f"{what}: no answer from the fork server")
+        return lines
+
+    def probe(self) -> dict[str, str]:
+        """What this host refuses us (``{"namespaces": "unshare: Operation not permitted"}``); empty: all good."""
+        status_r, status_w = os.pipe()
+        try:
+            data = json.dumps({"op": "probe"}).encode()
+            deadline = time.monotonic() + SERVER_WAIT_S
+            while not self._try_send(data, [status_w]):
+                if time.monotonic() > deadline:
+                    raise SandboxError("the sandbox fork server does not take requests")
+                time.sleep(SEND_RETRY_S)
+            os.close(status_w)
+            status_w = -1
+            chunks = []
+            while select.select([status_r], [], [], max(deadline - time.monotonic(), 0))[0]:
+                if not (chunk := os.read(status_r, 65536)):
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(status_r)
+            if status_w != -1:
+                os.close(status_w)
+        lines = _status_lines(decode(b"".join(chunks)))
+        _raise_errors(lines, "probing the host")
+        for kind, rest in lines:
+            if kind == "O":
+                return json.loads(rest)
+        raise SandboxError("probing the host: the fork server did not answer")
+
+    async def create_init(self, root: Path, work: Path, workdir: str, uid_base: int, tmp_mb: int) -> tuple[int, int]:
+        """A new sandbox init (see :mod:`i3core.nsfork`) with its root built on ``root`` (an empty directory) and
+        ``work`` as its work directory; :return: (its host pid, the uid its commands run as)."""
+        request = {"op": "create", "root": str(root), "work": str(work), "workdir": workdir, "uid_base": uid_base,
+                   "tmp_mb": tmp_mb}  # fmt: skip
+        for kind, rest in await self._call(request, "starting the sandbox"):
+            if kind == "P":
+                pid, uid = rest.split()
+                return int(pid), int(uid)
+        raise SandboxError("starting the sandbox: the fork server gave no pid")
+
+    async def kill_all(self, jail: Jail) -> None:
+        """Kill every process running as the jail's uid in its pid namespace (all of the sandbox but its init)."""
+        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid}
+        for kind, rest in await self._call(request, "killing the sandbox's processes"):
+            if kind == "X" and os.waitstatus_to_exitcode(int(rest)) != 0:
+                raise SandboxError("processes of the sandbox survived being killed")
+
+    async def exec(self, jail: Jail, args: list[str], timeout: float | None = None) -> ExecResult:
+        """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill every process of it but its init."""
+        timeout = jail.limits.timeout_s if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        request = {"op": "exec", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "cwd": jail.limits.workdir,
+                   "argv": args, "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
+                   "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else []}  # fmt: skip
+        oom_before = jail.cgroup.oom_kills() if jail.cgroup else None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        start = time.monotonic()
+        transports = []
+        try:
+            try:
+                status_r = await self._send(request, [out_w, err_w])
+            except BaseException:
+                os.close(out_r)
+                os.close(err_r)
+                raise
+            readers = []
+            for fd in (out_r, err_r, status_r):
+                reader, transport = await _pipe_reader(fd)
+                readers.append(reader)
+                transports.append(transport)
+            cap = jail.limits.max_output_bytes
+            done = asyncio.gather(read_capped(readers[0], cap), read_capped(readers[1], cap), readers[2].read())
+            timed_out = False
+            try:
+                (out, out_cut), (err, err_cut), status = await asyncio.wait_for(asyncio.shield(done), timeout)
+            except TimeoutError:
+                timed_out = True
+                await self.kill_all(jail)
+                try:
+                    (out, out_cut), (err, err_cut), status = await asyncio.wait_for(done, STOP_WAIT_S)
+                except TimeoutError:
+                    raise SandboxError(f"the command's output stayed open {STOP_WAIT_S:g}s after it was killed") from None
+            except asyncio.CancelledError:
+                done.cancel()
+                await self.kill_all(jail)
+                raise
+        finally:
+            for transport in transports:
+                transport.close()
+        duration = time.monotonic() - start
+        lines = _status_lines(decode(status))
+        _raise_errors(lines, "running the command")
+        exits = [int(rest) for kind, rest in lines if kind == "X"]
+        if not exits:
+            raise SandboxError("running the command: the sandbox went away")
+        oom_after = jail.cgroup.oom_kills() if jail.cgroup else None
+        return ExecResult(
+            exit_code=None if timed_out else os.waitstatus_to_exitcode(exits[0]),
+            stdout=decode(out),
+            stderr=decode(err),
+            timed_out=timed_out,
+            oom_killed=None if oom_before is None or oom_after is None else oom_after > oom_before,
+            truncated=out_cut or err_cut,
+            duration_s=duration,
+        )
+
+
+async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.ReadTransport]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), open(fd, "rb", 0))
+    return reader, transport
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+async def write_file(jail: Jail, path: str, data: bytes | str) -> None:
+    """Create or replace ``path`` beneath the work directory, owned by the sandbox user."""
+    if isinstance(data, str):
+        data = data.encode()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"write_file needs bytes or str, got {type(data).__name__}")
+    rel = relative_path(path, jail.limits.workdir)
+    try:
+        await asyncio.to_thread(write_beneath, jail.files, rel, bytes(data), jail.uid, jail.gid)
+    except SandboxFileError:
+        raise
+    except OSError as exc:
+        raise SandboxFileError(f"{path!r}: {exc.strerror}") from None
+
+
+async def read_file(jail: Jail, path: str) -> bytes:
+    """The bytes of ``path`` beneath the work directory, at most ``max_file_bytes``."""
+    rel = relative_path(path, jail.limits.workdir)
+    try:
+        return await asyncio.to_thread(read_beneath, jail.files, rel, jail.limits.max_file_bytes)
+    except SandboxFileError:
+        raise
+    except OSError as exc:
+        raise SandboxFileError(f"{path!r}: {exc.strerror}") from None
+
+
+def empty_dir(root: Path) -> None:
+    """Remove everything in ``root`` (its processes already killed); symlinks are removed, never followed."""
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)

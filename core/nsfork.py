@@ -1,0 +1,427 @@
+"""The fork server behind :mod:`i3core.nsexec`: forks into other processes' namespaces. Standard library only.
+
+It runs as its own small, single-threaded process (``python -I nsfork.py FD``)
+so that forking is safe and cheap: the asyncio process that uses it
+(the local backend, the sandbox agent) may hold threads and a large heap,
+and forking that is neither. Requests arrive as JSON datagrams on a
+``SOCK_SEQPACKET`` socket with the file descriptors they need attached
+(``SCM_RIGHTS``); every answer goes back through a *status pipe* the
+requester passes in, one line: ``P<pid> <uid>`` (a sandbox init started),
+``X<wait status>`` (a command or a kill finished), ``E<message>`` (it could
+not be done), ``O<json>`` (a probe). The server never writes to the socket,
+and it exits when the requester closes its end.
+
+Operations (``op``):
+
+- ``create``: a new sandbox init, forked straight into a new pid namespace
+  (the server unshares one for that fork and returns to its own): pid 1 of
+  fresh pid, mount, net, ipc and uts namespaces, with a private read-only
+  root (see the local backend's module docstring), a fresh /proc, a tmpfs
+  /tmp, a minimal /dev and the work directory bound from the host; then it
+  execs ``sleep`` (a 1 MB process, not a copy of this server). Its uid for
+  commands is ``uid_base + its host pid`` (unique among live sandboxes). It
+  lives until it is killed, or until this server (and so the requester) dies
+  (a parent-death SIGKILL).
+- ``exec``: run ``argv`` inside the target's pid, mount, ipc and uts
+  namespaces (and net, unless the server made its own fresh one), chrooted to
+  its root, in ``cwd``, as ``uid``/``gid`` with no capabilities, no_new_privs,
+  rlimits and a clean environment; stdin is /dev/null. Moves itself into the
+  given cgroups first.
+- ``kill``: ``kill(-1, SIGKILL)`` as ``uid`` inside the target's pid
+  namespace, until nothing is left: every process of the sandbox but its init
+  (which runs as root) dies, and nothing else can.
+- ``probe``: whether this host lets us make the namespaces.
+"""
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import struct
+import sys
+import time
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+SANDBOX_NAMESPACES = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
+
+MAX_REQUEST_BYTES = 4 << 20
+"""Largest request datagram (argv and environment); execve's own limit is 2 MiB of arguments."""
+MAX_FDS = 8
+KILL_ROUNDS = 500
+"""kill(-1) rounds before giving up; the first normally suffices (a killed process takes a moment to die)."""
+KILL_PAUSE_S = 0.005
+
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+"""Host directories bound read-only into a sandbox root (symlinks, as on merged-/usr systems, are copied)."""
+ETC_SHARED = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "os-release",
+              "debian_version", "mime.types", "nsswitch.conf", "host.conf", "protocols", "services",
+              "ssl/certs", "ca-certificates.conf")  # fmt: skip
+"""The host /etc entries a sandbox sees (read-only): what the loader, Python and TLS clients read; no secrets."""
+INIT = ("/bin/sleep", "2147483647")
+"""What a sandbox's init becomes once its root is built: the smallest process that just stays (SIGCHLD is ignored,
+so the kernel reaps orphans for it), not a copy of this server."""
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)
+"""Signals Python (or this server) changed that a command must start with at their defaults."""
+
+libc = ctypes.CDLL(None, use_errno=True)
+for _name, _args in (("mount", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]),
+                     ("umount2", [ctypes.c_char_p, ctypes.c_int]), ("unshare", [ctypes.c_int]),
+                     ("setns", [ctypes.c_int, ctypes.c_int]),
+                     ("prctl", [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong])):  # fmt: skip
+    getattr(libc, _name).argtypes = _args
+
+
+def _check(result: int, what: str) -> int:
+    if result == -1:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def _b(value: str | None) -> bytes | None:
+    return None if value is None else os.fsencode(value)
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)), f"mount {target}")
+
+
+def prctl(option: int, arg: int) -> None:
+    _check(libc.prctl(option, arg, 0, 0, 0), f"prctl {option}")
+
+
+def unshare(flags: int) -> None:
+    _check(libc.unshare(flags), "unshare")
+
+
+def setns(fd: int, flags: int) -> None:
+    _check(libc.setns(fd, flags), "setns")
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up in the current (fresh) network namespace: 127.0.0.1 inside, nothing outside."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, SIOCGIFFLAGS, request)[:18])[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+
+
+def report(status_fd: int, line: str) -> None:
+    try:
+        os.write(status_fd, (line.replace("\n", " ") + "\n").encode())
+    except OSError:
+        pass
+
+
+def child_prelude(server_pid: int) -> None:
+    """First steps of every forked child: die with the server, default SIGCHLD so waitpid works."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != server_pid:
+        os._exit(1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+# --- create: a sandbox init ---------------------------------------------------------------------
+
+
+def _bind(source: str, target: str, read_only: bool) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    mount(source, target, None, MS_BIND | MS_REC)
+    if read_only:
+        mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _share(source: str, target: str) -> None:
+    """``source`` from the host at ``target``, read-only; a symlink is copied as a symlink; absent: skipped."""
+    if os.path.islink(source):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(os.readlink(source), target)
+    elif os.path.exists(source):
+        _bind(source, target, read_only=True)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+
+
+def setup_root(new: str, work: str, workdir: str, uid: int, tmp_mb: int) -> None:
+    """Build the sandbox's root on a tmpfs at ``new`` and pivot into it (we are pid 1 of fresh namespaces)."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=2m,mode=755")
+    for name in SYSTEM_DIRS:
+        _share(f"/{name}", f"{new}/{name}")
+    os.mkdir(f"{new}/etc", 0o755)
+    for name in ETC_SHARED + tuple(n for n in sorted(os.listdir("/etc")) if n.startswith("python3")):
+        _share(f"/etc/{name}", f"{new}/etc/{name}")
+    _write(f"{new}/etc/passwd", f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\n"
+           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")  # fmt: skip
+    _write(f"{new}/etc/group", f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
+    _write(f"{new}/etc/hosts", "127.0.0.1 localhost\n::1 localhost\n")
+    _write(f"{new}/etc/hostname", "sandbox\n")
+    os.mkdir(f"{new}/proc")
+    mount("proc", f"{new}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.mkdir(f"{new}/dev")
+    mount("tmpfs", f"{new}/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
+    for name in DEVICES:
+        _bind(f"/dev/{name}", f"{new}/dev/{name}", read_only=False)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):  # fmt: skip
+        os.symlink(target, f"{new}/dev/{name}")
+    for path in (f"{new}/dev/shm", f"{new}/tmp"):
+        os.mkdir(path)
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
+    target = new + workdir
+    os.makedirs(target, exist_ok=True)
+    os.chown(work, uid, uid)
+    os.chmod(work, 0o755)
+    mount(work, target, None, MS_BIND)
+    mount(None, target, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV)
+    os.chdir(new)
+    _check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+    mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    mount(None, "/dev", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+def op_create(req: dict, fds: list[int]) -> None:
+    """In the server's child born as pid 1 of a new pid namespace: build the sandbox, then become its init."""
+    status = fds[0]
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server is our parent
+    unshare(SANDBOX_NAMESPACES & ~CLONE_NEWPID)
+    host_pid = int(os.readlink("/proc/self"))  # the host's /proc is still mounted here
+    uid = req["uid_base"] + host_pid
+    setup_root(req["root"], req["work"], req["workdir"], uid, req["tmp_mb"])
+    socket.sethostname("sandbox")
+    loopback_up()
+    report(status, f"P{host_pid} {uid}")
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, 1 << 16)
+    # SIGCHLD stays ignored across execve, so the kernel reaps every orphan re-parented to this init
+    os.execve(INIT[0], list(INIT), {})
+
+
+# --- exec and kill: join a target's namespaces --------------------------------------------------
+
+
+def enter(target: int, flags: int, chroot: bool) -> None:
+    """Join ``target``'s namespaces (``flags``) and, with ``chroot``, its root directory."""
+    pidfd = os.pidfd_open(target)
+    root = os.open(f"/proc/{target}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if chroot else -1
+    try:
+        setns(pidfd, flags)
+        if chroot:
+            os.fchdir(root)
+            os.chroot(".")
+    finally:
+        os.close(pidfd)
+        if root != -1:
+            os.close(root)
+
+
+CAP_LAST = int(open("/proc/sys/kernel/cap_last_cap").read())
+"""The highest capability number this kernel knows (read before any chroot)."""
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    for cap in range(CAP_LAST + 1):
+        prctl(PR_CAPBSET_DROP, cap)
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)  # every uid non-zero: the kernel clears the permitted and effective capabilities
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a credential change cleared it
+
+
+def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int], devnull: int) -> None:
+    """In the forked child inside the target's pid namespace: become the command."""
+    for fd in cgroup_fds:
+        os.write(fd, b"0")  # "0": the writing process
+    os.setsid()
+    os.chdir(req["cwd"])
+    for name, value in req["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    drop_privileges(req["uid"], req["gid"])
+    for sig in RESTORED_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.closerange(3, status)
+    os.closerange(status + 1, 1 << 16)
+    argv = req["argv"]
+    try:
+        os.execvpe(argv[0], argv, req["env"])
+    except OSError as exc:
+        os.write(2, f"{argv[0]}: {exc.strerror}\n".encode())
+        os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+
+def op_exec(req: dict, fds: list[int], server_pid: int, devnull: int, own_netns: bool) -> None:
+    out, err, status = fds[:3]
+    child_prelude(server_pid)
+    cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in req["cgroup_procs"]]
+    flags = SANDBOX_NAMESPACES & ~(CLONE_NEWNET if own_netns else 0)
+    enter(req["target"], flags, chroot=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            run_command(req, out, err, status, cgroup_fds, devnull)
+        except BaseException as exc:
+            report(status, f"E{exc}")
+        finally:
+            os._exit(127)
+    os.close(out)
+    os.close(err)
+    _, wait_status = os.waitpid(pid, 0)
+    report(status, f"X{wait_status}")
+
+
+def live_processes(pidns: int, uid: int) -> list[int]:
+    """Host pids of the processes of ``uid`` in pid namespace ``pidns`` that are not zombies (seen from the host)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}/ns/pid").st_ino != pidns:
+                continue
+            with open(f"/proc/{name}/status") as file:
+                status = dict(line.split(":", 1) for line in file.read().splitlines() if ":" in line)
+        except OSError:
+            continue
+        if status["State"].split()[0] not in ("Z", "X") and int(status["Uid"].split()[0]) == uid:
+            found.append(int(name))
+    return found
+
+
+def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
+    """Kill rounds until no live process of the uid is left; zombies are fine (their parent or init reaps them)."""
+    status = fds[0]
+    child_prelude(server_pid)
+    uid, gid = req["uid"], req["gid"]
+    pidns = os.stat(f"/proc/{req['target']}/ns/pid").st_ino
+    enter(req["target"], CLONE_NEWPID, chroot=False)
+    for _ in range(KILL_ROUNDS):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)  # atomic with respect to fork: nothing it misses can be born after it
+            except ProcessLookupError:
+                pass
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        if not live_processes(pidns, uid):
+            report(status, "X0")
+            return
+        time.sleep(KILL_PAUSE_S)
+    report(status, f"X{1 << 8}")
+
+
+def op_probe(req: dict, fds: list[int], server_pid: int) -> None:
+    status = fds[0]
+    child_prelude(server_pid)
+    problems = {}
+    try:
+        unshare(SANDBOX_NAMESPACES)
+    except OSError as exc:
+        problems["namespaces"] = str(exc)
+    if SYS_PIVOT_ROOT is None:
+        problems["pivot_root"] = f"unknown syscall number on {platform.machine()}"
+    if not hasattr(os, "pidfd_open"):
+        problems["pidfd"] = "os.pidfd_open is missing"
+    report(status, "O" + json.dumps(problems))
+
+
+def restore_pid_namespace(own_pidns: int) -> None:
+    """Make our later children ours again after a create; if we cannot, stop (the requester sees us gone)."""
+    try:
+        setns(own_pidns, CLONE_NEWPID)
+    except OSError as exc:
+        print(f"i3core.nsfork: cannot return to our pid namespace: {exc}", file=sys.stderr)
+        os._exit(1)
+
+
+def serve(sock: socket.socket, own_netns: bool) -> None:
+    server_pid = os.getpid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
+    devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    if own_netns:
+        unshare(CLONE_NEWNET)
+        loopback_up()
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    ops = {"create": op_create, "kill": lambda r, f: op_kill(r, f, server_pid),
+           "exec": lambda r, f: op_exec(r, f, server_pid, devnull, own_netns),
+           "probe": lambda r, f: op_probe(r, f, server_pid)}  # fmt: skip
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST_BYTES, MAX_FDS)
+        if not data and not fds:
+            return  # the requester closed its end
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        try:
+            req = json.loads(data)
+            handler = ops[req["op"]]
+            if req["op"] == "create":
+                unshare(CLONE_NEWPID)  # our next child is pid 1 of a new pid namespace
+                try:
+                    pid = os.fork()
+                finally:
+                    if os.getpid() == server_pid:
+                        restore_pid_namespace(own_pidns)
+            else:
+                pid = os.fork()
+            if pid == 0:
+                try:
+                    sock.close()
+                    handler(req, fds)
+                except BaseException as exc:
+                    if fds:
+                        report(fds[-1], f"E{exc}")
+                finally:
+                    os._exit(0)
+        except Exception as exc:  # a malformed request: answer on its status pipe, keep serving
+            if fds:
+                report(fds[-1], f"E{type(exc).__name__}: {exc}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    os.set_inheritable(sock.fileno(), False)
+    serve(sock, own_netns="--own-netns" in sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

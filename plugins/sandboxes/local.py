@@ -1,0 +1,213 @@
+"""``local``: sandboxes on this machine made of Linux namespaces and cgroups, one tiny init each.
+
+Threat model
+------------
+Covered: model-written code, buggy or hostile, run by ``exec``. It runs as an
+unprivileged uid of its own (one per sandbox: ``UID_BASE`` + the host pid of
+the sandbox's init), with no capabilities (bounding set emptied) and
+no_new_privs, so setuid binaries and file capabilities give it nothing. It
+sees:
+
+- its own pid namespace (only its own processes; ``kill -9 -1`` reaches only
+  them), ipc and uts namespaces, and a network namespace with nothing in it
+  but its own loopback: no route to the host's loopback or anywhere else;
+- a private root on a read-only tmpfs: the host's /usr, /bin, /lib*, /sbin
+  bound read-only and nosuid, a minimal /etc (generated passwd, group, hosts;
+  the loader cache, alternatives, python3 and CA certificates bound read-only;
+  no shadow, no keys, no host configuration), a fresh /proc, a read-only /dev
+  with null, zero, full, random, urandom and tty, tmpfs /tmp and /dev/shm,
+  and its work directory (``workdir``) bound from ``root_dir/<id>/work``.
+  No /root, /home, /work of the host, /sys or host project directories;
+- a clean environment (PATH, HOME, LANG, USER, TMPDIR), stdin /dev/null.
+
+Limits: a per-sandbox cgroup (v1 memory with swap capped, pids, cpu quota
+from ``cpus``) where the host lets us make one, plus rlimits on every
+command (processes per uid, file size, CPU seconds as a backstop, open files,
+no core dumps; an address-space limit per process when there is no memory
+cgroup). ``exec`` output is capped while being read. On a timeout, ``reset``
+and ``close`` every process of the sandbox dies; ``close`` kills its init,
+which takes the whole pid namespace with it, then removes the cgroup and the
+work directory. Sandboxes die with the process that made them (a chain of
+parent-death signals), so a crashed orchestrator leaves none behind.
+
+Not covered: the kernel is shared, so a kernel exploit escapes (use a VM or
+gVisor-backed backend for that); CPU caches and other side channels; disk
+usage of the work directory as a whole (``file_size_mb`` bounds each file,
+not their sum); /proc shows the sandbox's own processes, its init's command
+line (a host path of the Python interpreter) and mount sources; a sandbox
+can use its whole CPU and memory budget until ``reset``/``close``
+(a background process lives on between ``exec`` calls by design).
+
+Host requirements: root (or CAP_SYS_ADMIN, CAP_SETUID/SETGID, CAP_SYS_CHROOT)
+to make pid/mount/net/ipc/uts namespaces, Linux >= 5.8 (setns on a pidfd);
+cgroup v1 memory/pids/cpu hierarchies where we may make child cgroups for
+the cgroup limits. What is missing is said once, in one warning line, when
+the backend starts; without namespaces it refuses to start.
+"""
+
+import asyncio
+import os
+import select
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+from pydantic import Field
+
+from i3core import nsexec
+from i3core.errors import SandboxError
+from i3core.nsexec import Cgroup, Jail, NsExec
+from i3core.sandbox import SandboxBase, SandboxConfig, argv
+from i3core.types import ExecResult
+
+log = structlog.get_logger("i3core.sandbox.local")
+
+UID_BASE = 1_000_000
+"""A sandbox's uid is this plus its init's host pid: unique among live sandboxes, and no real user's."""
+SCRATCH_DIRS = ("tmp", "dev/shm")
+"""tmpfs directories inside a sandbox that ``reset`` empties along with the work directory."""
+
+
+class LocalSandbox(SandboxBase):
+    """One sandbox: an init process in its own namespaces, a cgroup, and a work directory on the host."""
+
+    def __init__(self, backend: "LocalBackend", sandbox_id: str, jail: Jail, pidfd: int, base: Path):
+        self.id = sandbox_id
+        self._backend = backend
+        self._nsexec = backend.nsexec
+        self._jail = jail
+        self._pidfd = pidfd
+        self._base = base
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+
+    async def exec(self, cmd: str | Sequence[str], timeout: float | None = None) -> ExecResult:
+        self._check_open()
+        return await self._nsexec.exec(self._jail, argv(cmd), timeout)
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        self._check_open()
+        await nsexec.write_file(self._jail, path, data)
+
+    async def read_file(self, path: str) -> bytes:
+        self._check_open()
+        return await nsexec.read_file(self._jail, path)
+
+    async def reset(self) -> None:
+        self._check_open()
+        await self._nsexec.kill_all(self._jail)
+        await asyncio.to_thread(self._empty)
+
+    def _empty(self) -> None:
+        nsexec.empty_dir(self._jail.files)
+        for name in SCRATCH_DIRS:
+            nsexec.empty_dir(Path(f"/proc/{self._jail.pid}/root/{name}"))
+
+    def _init_exited(self) -> bool:
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
+    async def alive(self) -> bool:
+        return not self._closed and not self._init_exited()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._backend._open.discard(self)
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            deadline = time.monotonic() + nsexec.STOP_WAIT_S
+            while not self._init_exited():  # readable once the init, and so its whole pid namespace, is gone
+                if time.monotonic() > deadline:
+                    raise SandboxError(f"sandbox {self.id}: its init outlived SIGKILL")
+                await asyncio.sleep(0.002)
+        finally:
+            os.close(self._pidfd)
+        if self._jail.cgroup is not None:
+            await self._jail.cgroup.remove()
+        await asyncio.to_thread(shutil.rmtree, self._base)
+
+
+class LocalBackend:
+    """Makes :class:`LocalSandbox` es through one fork server (:mod:`i3core.nsfork`)."""
+
+    class Config(SandboxConfig):
+        root_dir: str = Field("/var/tmp/i3core-sandboxes", description="Host directory under which each sandbox's "
+                              "work directory lives (root_dir/<id>/work), removed on close.")  # fmt: skip
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.nsexec: NsExec | None = None
+        self.cgroup_parents: dict[str, Path] = {}
+        self.missing: dict[str, str] = {}
+        """What this host does not allow (e.g. ``{"cgroup memory": "..."}``), found when the backend starts."""
+        self._open: set[LocalSandbox] = set()
+        self._start_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the fork server and find what the host allows (once; ``create`` calls it)."""
+        with self._start_lock:
+            if self.nsexec is not None:
+                return
+            server = NsExec()
+            server.start()
+            try:
+                refused = server.probe()
+            except BaseException:
+                server.close()
+                raise
+            if "namespaces" in refused or "pidfd" in refused or "pivot_root" in refused:
+                server.close()
+                raise SandboxError("local sandboxes need pid, mount, net, ipc and uts namespaces, which this host "
+                                   f"refuses: {'; '.join(refused.values())} (run as root, or pick another backend)")  # fmt: skip
+            self.cgroup_parents, missing = nsexec.cgroup_parents()
+            self.missing = {f"cgroup {name}": why for name, why in missing.items()}
+            if self.missing:
+                fallback = {"cgroup memory": "memory is an address-space rlimit per process; oom_killed is None",
+                            "cgroup pids": "processes are an RLIMIT_NPROC per sandbox uid",
+                            "cgroup cpu": "no CPU quota: a sandbox may use every core"}  # fmt: skip
+                log.warning("local sandboxes run without: " + "; ".join(
+                    f"{name} ({why}; {fallback[name]})" for name, why in self.missing.items()))
+            Path(self.config.root_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.nsexec = server
+
+    async def create(self) -> LocalSandbox:
+        if self.nsexec is None:
+            await asyncio.to_thread(self.start)
+        sandbox_id = uuid.uuid4().hex[:12]
+        base = Path(self.config.root_dir) / sandbox_id
+        (base / "root").mkdir(parents=True)
+        (base / "work").mkdir()
+        cgroup = None
+        try:
+            if self.cgroup_parents:
+                cgroup = Cgroup.create(self.cgroup_parents, f"i3core-{sandbox_id}", self.config)
+            pid, uid = await self.nsexec.create_init(base / "root", base / "work", self.config.workdir, UID_BASE,
+                                                     tmp_mb=self.config.memory_mb)  # fmt: skip
+            pidfd = os.pidfd_open(pid)
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove_now()
+            shutil.rmtree(base, ignore_errors=True)
+            raise
+        jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=base / "work", cgroup=cgroup)
+        sandbox = LocalSandbox(self, sandbox_id, jail, pidfd, base)
+        self._open.add(sandbox)
+        return sandbox
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(sandbox.close() for sandbox in list(self._open)))
+        if self.nsexec is not None:
+            self.nsexec.close()
+            self.nsexec = None

@@ -1,0 +1,194 @@
+"""The ``local`` backend's own behaviour, over real sandboxes: what it detects, what it leaves behind, reset,
+many sandboxes at once, argv versus shell strings, and bad input. The hostile suite is test_sandbox_hostile.py."""
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from i3core.errors import SandboxError, SandboxFileError
+from i3core.testing import make_component
+
+pytestmark = pytest.mark.sandbox
+
+LIMITS = {"memory_mb": 128, "pids": 64, "timeout_s": 10.0, "cpus": 0.5, "file_size_mb": 1}
+
+
+@pytest.fixture
+def backend(tmp_path):
+    backend = make_component("sandbox", "local", root_dir=str(tmp_path / "sandboxes"), **LIMITS)
+    yield backend
+    asyncio.run(backend.aclose())
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def namespace_members(pid: int) -> set[int]:
+    """Host pids of every process in the pid namespace of ``pid``."""
+    ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
+    members = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.stat(f"/proc/{proc.pid}/ns/pid").st_ino == ns:
+                members.add(proc.pid)
+        except OSError:
+            pass
+    return members
+
+
+def test_host_support_is_detected_and_limits_reach_the_cgroup(backend):
+    backend.start()
+    assert set(backend.missing) <= {"cgroup memory", "cgroup pids", "cgroup cpu"}
+    assert set(backend.cgroup_parents) | {k.split()[1] for k in backend.missing} == {"memory", "pids", "cpu"}
+
+    async def go():
+        async with await backend.create() as sb:
+            cgroup = sb._jail.cgroup
+            if "memory" in backend.cgroup_parents:
+                assert (cgroup.dirs["memory"] / "memory.limit_in_bytes").read_text().strip() == str(128 << 20)
+                assert cgroup.oom_kills() == 0
+            if "pids" in backend.cgroup_parents:
+                assert (cgroup.dirs["pids"] / "pids.max").read_text().strip() == "64"
+            if "cpu" in backend.cgroup_parents:
+                assert (cgroup.dirs["cpu"] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+            result = await sb.exec("cat /proc/self/cgroup")
+            for controller, path in cgroup.dirs.items():  # the command runs inside the sandbox's cgroups
+                assert f"{path.name}\n" in result.stdout, (controller, result.stdout)
+
+    run(go())
+
+
+def test_close_leaves_no_process_cgroup_or_directory(backend, tmp_path):
+    async def go():
+        sb = await backend.create()
+        await sb.write_file("keep.txt", "x")
+        started = await sb.exec("setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $!")
+        assert started.exit_code == 0, started
+        init = sb._jail.pid
+        members = namespace_members(init)
+        assert len(members) >= 2, members  # init, the loop (and its sleep)
+        dirs = list(sb._jail.cgroup.dirs.values()) if sb._jail.cgroup else []
+        base = sb._base
+        assert base.is_dir() and all(d.is_dir() for d in dirs)
+        await sb.close()
+        await sb.close()  # idempotent
+        assert not await sb.alive()
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                       for pid in members), "a process of the sandbox outlived close()"  # fmt: skip
+        assert not any(d.exists() for d in dirs), "a cgroup directory outlived close()"
+        assert not base.exists()
+        with pytest.raises(SandboxError):
+            await sb.exec("true")
+
+    run(go())
+    assert list((tmp_path / "sandboxes").iterdir()) == []
+
+
+def test_reset_kills_everything_but_init_and_empties_the_work_dir_and_tmp(backend):
+    async def go():
+        async with await backend.create() as sb:
+            await sb.write_file("a/b.txt", "data")
+            await sb.exec("echo x > /tmp/t; echo y > /dev/shm/s; (sleep 300 >/dev/null 2>&1 &) ; sleep 300 >/dev/null 2>&1 &")
+            assert "sleep" in (await sb.exec(["ps", "-eo", "comm="])).stdout
+            await sb.reset()
+            ps = await sb.exec(["ps", "-eo", "pid=,comm="])
+            assert [line.split()[1] for line in ps.stdout.splitlines()] == ["sleep", "ps"], ps.stdout  # init, ps
+            assert (await sb.exec("ls -A . /tmp /dev/shm")).stdout == ".:\n\n/dev/shm:\n\n/tmp:\n"
+            assert await sb.alive()
+            result = await sb.exec("echo again > f; cat f")
+            assert result.stdout == "again\n"
+
+    run(go())
+
+
+def test_32_sandboxes_at_once_are_isolated_from_each_other(backend):
+    async def one(index: int):
+        sb = await backend.create()
+        await sb.write_file("me.txt", str(index))
+        result = await sb.exec("cat me.txt; echo; id -u; ls /proc | grep -c '^[0-9]'")
+        return sb, result
+
+    async def go():
+        pairs = await asyncio.gather(*(one(i) for i in range(32)))
+        uids = set()
+        for index, (sb, result) in enumerate(pairs):
+            me, uid, processes = result.stdout.split()
+            assert me == str(index) and int(processes) <= 4, result  # its own only: init, sh, ls, grep
+            uids.add(uid)
+        assert len(uids) == 32  # one uid per sandbox: RLIMIT_NPROC and kill -1 stay per sandbox
+        await asyncio.gather(*(sb.close() for sb, _ in pairs))
+
+    run(go())
+
+
+def test_argv_is_literal_and_a_string_is_shell(backend):
+    async def go():
+        async with await backend.create() as sb:
+            result = await sb.exec(["printf", "%s|", "a b", "$HOME", ";", "*"])
+            assert result.stdout == "a b|$HOME|;|*|", result
+            result = await sb.exec("printf '%s|' $HOME; echo; kill -TERM $$")
+            assert result.stdout == "/work|\n" and result.exit_code == -15, result
+            result = await sb.exec(["no-such-program"])
+            assert result.exit_code == 127 and "no-such-program" in result.stderr, result
+            result = await sb.exec(["env"])
+            assert dict(line.split("=", 1) for line in result.stdout.splitlines()) == {
+                "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/work",
+                "LANG": "C.UTF-8", "USER": "sandbox", "TMPDIR": "/tmp"}  # fmt: skip
+            status = (await sb.exec("grep -E '^(Uid|CapEff|CapBnd|NoNewPrivs):' /proc/self/status")).stdout
+            assert "CapEff:\t0000000000000000" in status and "CapBnd:\t0000000000000000" in status
+            assert "NoNewPrivs:\t1" in status and "Uid:\t0" not in status
+            assert (await sb.exec("cat /proc/net/dev | grep -c :")).stdout == "1\n"  # lo only
+            result = await sb.exec("head -c 2000000 /dev/zero > big")  # file_size_mb = 1
+            assert result.exit_code != 0, result
+            assert (await sb.exec("python3 -c 'import sys; print(sys.executable)'")).stdout == "/usr/bin/python3\n"
+
+    run(go())
+
+
+@pytest.mark.parametrize("cmd", [[], [1, 2], ["ok", None], 7, None])
+def test_bad_commands_are_value_errors(backend, cmd):
+    async def go():
+        async with await backend.create() as sb:
+            with pytest.raises(ValueError):
+                await sb.exec(cmd)
+            with pytest.raises(ValueError):
+                await sb.exec("true", timeout=0)
+            with pytest.raises(SandboxFileError):
+                await sb.read_file("")
+            with pytest.raises(SandboxFileError):
+                await sb.read_file("missing")
+            with pytest.raises(SandboxFileError):
+                await sb.write_file(".", "x")
+            assert (await sb.exec("echo fine")).stdout == "fine\n"
+
+    run(go())
+
+
+@pytest.mark.slow
+def test_refuses_to_start_without_namespaces(tmp_path):
+    code = ("import asyncio\nfrom i3core.errors import SandboxError\nfrom i3core.testing import make_component\n"
+            f"backend = make_component('sandbox', 'local', root_dir={str(tmp_path)!r})\n"
+            "try:\n    asyncio.run(backend.create())\nexcept SandboxError as e:\n    print('REFUSED', e)")  # fmt: skip
+    result = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", "--", sys.executable,
+                             "-c", code], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "REFUSED local sandboxes need pid, mount, net, ipc and uts namespaces" in result.stdout, result
+    assert "Operation not permitted" in result.stdout
+
+
+def test_the_host_root_and_secrets_are_not_visible(backend):
+    async def go():
+        async with await backend.create() as sb:
+            listing = (await sb.exec("ls -A /")).stdout.split()
+            assert sorted(listing) == sorted(["bin", "dev", "etc", "lib", "lib64", "proc", "sbin", "tmp", "usr",
+                                              "work"] + [n for n in ("lib32", "libx32") if Path(f"/{n}").exists()])  # fmt: skip
+            etc = (await sb.exec("ls -A /etc")).stdout.split()
+            assert "shadow" not in etc and "gshadow" not in etc and "ssh" not in etc
+            assert (await sb.exec("touch /usr/x /etc/x /x")).exit_code != 0
+
+    run(go())
