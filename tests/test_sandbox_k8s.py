@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 import yaml
 
-from i3core.errors import ConfigError, SandboxError, SandboxFileError
-from i3core.testing import make_component
+from kubernetes_asyncio import client as kube_client
+
+from i3core.errors import ConfigError, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.plugins.sandboxes.k8s import (
-    AGENT_TOKEN_ENV,
     RUN_LABEL,
     AgentClient,
     K8sConfig,
@@ -32,10 +32,10 @@ from i3core.plugins.sandboxes.k8s import (
     dns_name,
     pod_manifest,
 )
+from i3core.sandbox import AGENT_TOKEN_ENV
+from i3core.testing import make_component
 
-from .conftest import ROOT, run_cli
-
-kube_client = pytest.importorskip("kubernetes_asyncio.client", reason="the k8s extra is not installed")
+from .conftest import run_cli
 
 TOKEN_ENV = "I3CORE_SANDBOX_TOKEN"
 MODELS = {"Pod": "V1Pod", "Service": "V1Service", "NetworkPolicy": "V1NetworkPolicy", "Secret": "V1Secret"}
@@ -389,20 +389,12 @@ def test_manifests_command_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_manifests_command_on_a_backend_without_manifests(tmp_path):
-    from i3core.testing import plugin_manager
-
-    if plugin_manager().registry.get("sandbox", "local") is None:
-        pytest.skip("no `local` sandbox backend on this branch (it comes with the sandbox agent)")
     config = write_config(tmp_path, '[sandbox]\nuse = "local"\n')
     line = one_line_error(run_cli("sandbox", "manifests", str(config), env=cli_env()), 2)
     assert "'local' has no manifests" in line
 
 
 # -- end to end: a real agent, its readiness POST, the exec path ------------------------------------------
-
-
-def agent_available() -> bool:
-    return (ROOT / "core" / "sandbox_agent.py").exists()
 
 
 E2E_WORKDIR = "/tmp/work"
@@ -441,7 +433,6 @@ def local_agent_argv(cfg: K8sConfig, sandbox_id: str, target_pid: int, port: int
 
 @pytest.mark.slow
 @pytest.mark.sandbox
-@pytest.mark.skipif(not agent_available(), reason="the sandbox agent (core/sandbox_agent.py) is not on this branch yet")
 def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
     token = secrets.token_hex(16)
     work = E2E_WORKDIR
@@ -479,7 +470,7 @@ def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
                 assert result.timed_out and result.exit_code is None
                 await sb.exec("printf made > made.txt")
                 assert await sb.read_file("made.txt") == b"made"
-                with pytest.raises(SandboxFileError):
+                with pytest.raises(SandboxFileNotFound):
                     await sb.read_file("missing.txt")
                 with pytest.raises(SandboxFileError):
                     await sb.write_file("/etc/passwd", "x")  # refused before any request

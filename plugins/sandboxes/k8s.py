@@ -65,8 +65,8 @@ import structlog
 from aiohttp import web
 from pydantic import Field, model_validator
 
-from i3core.errors import I3Error, SandboxError, SandboxFileError
-from i3core.sandbox import SandboxBase, SandboxConfig, argv, relative_path
+from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
+from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, relative_path
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.k8s")
@@ -78,13 +78,11 @@ SANDBOX_LABEL = "i3core/sandbox"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "i3core"}
 TOKEN_KEY = "token"
 """Key of the bearer token inside the run's Secret."""
-AGENT_TOKEN_ENV = "I3CORE_AGENT_TOKEN"
-"""The environment variable the agent reads its bearer token from (``i3core sandbox-agent``)."""
 POD_IP_ENV = "POD_IP"
 """Set from the downward API in the agent container: the address it reports when ready."""
 SANDBOX_USER = 65534
 """uid/gid of the target container's sleeper ("nobody"): not root, owns nothing in the image."""
-COMMAND_UID_BASE = 1_000_000
+COMMAND_UID_BASE = AGENT_UID
 COMMAND_UIDS = 1 << 24
 """Commands run as COMMAND_UID_BASE + (id mod COMMAND_UIDS): never the sleeper's uid (a /reset kills every
 process of the command uid in the Pod's pid namespace), never an image's user."""
@@ -531,6 +529,8 @@ class AgentClient(SandboxBase):
     async def read_file(self, path: str) -> bytes:
         rel = relative_path(path, self.config.workdir)
         status, body = await self._call("GET", "/files", self.config.timeout_s, params={"path": str(rel)})
+        if status == 404:
+            raise SandboxFileNotFound(f"{path!r}: {_error(body)}")
         if status != 200:
             raise SandboxFileError(f"{path!r}: {_error(body)}")
         if len(body) > self.config.max_file_bytes:
