@@ -597,6 +597,7 @@ class K8sSandboxes:
         self._webhook: ReadinessWebhook | None = None
         self._api_client = None
         self._open: dict[str, AgentClient] = {}
+        self._starting = asyncio.Lock()
 
     def token(self) -> str:
         """The agents' bearer token, from the environment variable ``token_env``."""
@@ -622,16 +623,18 @@ class K8sSandboxes:
         from kubernetes_asyncio import client, config as kube_config
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        if self._api_client is None:
-            try:
-                if self.config.in_cluster:
-                    kube_config.load_incluster_config()
-                    self._api_client = client.ApiClient()
-                else:
-                    self._api_client = await kube_config.new_client_from_config(config_file=self.config.kubeconfig)
-            except (kube_config.ConfigException, OSError) as exc:
-                where = "the in-cluster service account" if self.config.in_cluster else "the kubeconfig"
-                raise SandboxError(f"cannot reach the Kubernetes API through {where}: {exc}") from None
+        async with self._starting:  # concurrent first calls build one client
+            if self._api_client is None:
+                try:
+                    if self.config.in_cluster:
+                        kube_config.load_incluster_config()
+                        self._api_client = client.ApiClient()
+                    else:
+                        self._api_client = await kube_config.new_client_from_config(
+                            config_file=self.config.kubeconfig)  # fmt: skip
+                except (kube_config.ConfigException, OSError) as exc:
+                    where = "the in-cluster service account" if self.config.in_cluster else "the kubeconfig"
+                    raise SandboxError(f"cannot reach the Kubernetes API through {where}: {exc}") from None
         try:
             return await getattr(client.CoreV1Api(self._api_client), call)(*args, _request_timeout=API_TIMEOUT_S,
                                                                            **kwargs)  # fmt: skip
@@ -641,9 +644,10 @@ class K8sSandboxes:
             raise SandboxError(f"Kubernetes API {call}: unreachable: {type(exc).__name__}: {exc}") from None
 
     async def _started_webhook(self) -> ReadinessWebhook:
-        if self._webhook is None:
-            self._webhook = ReadinessWebhook(self.token(), self.config.webhook_host, self.config.webhook_port)
-        await self._webhook.start()
+        async with self._starting:  # concurrent first create() calls bind one webhook
+            if self._webhook is None:
+                self._webhook = ReadinessWebhook(self.token(), self.config.webhook_host, self.config.webhook_port)
+            await self._webhook.start()
         return self._webhook
 
     async def create(self) -> AgentClient:
