@@ -92,14 +92,15 @@ TARGET_MATCH = r"^sleep 2147483647$"
 """How the agent finds the sleeper among the Pod's processes (``--target-match``)."""
 AGENT_CAPABILITIES = ["SYS_ADMIN", "SYS_PTRACE", "SYS_CHROOT", "SETUID", "SETGID", "KILL", "DAC_OVERRIDE",
                       "FOWNER", "CHOWN"]  # fmt: skip
-"""What nsenter into another container's namespaces as its user, killing its processes and owning its files needs."""
+"""What the agent needs to enter the target's namespaces and root, run commands as their uid, kill them, and own
+the work directory's files."""
 AGENT_OWN_CPU = 0.25
 AGENT_OWN_MEMORY_MB = 128
 """The agent's own share on top of the sandbox's limits: it serves small JSON requests (one Python process)."""
 SLEEPER_RESOURCES = {"cpu": "10m", "memory": "16Mi"}
 """The target container runs only the sleeper: the commands live in the agent container's cgroup."""
 TMP_MB = 64
-"""Size of the target's /tmp (memory-backed, counted in its memory limit)."""
+"""Size of the target's /tmp (memory-backed: what commands write there counts in their memory limit)."""
 HTTP_SLACK_S = 30.0
 """Extra seconds an exec request may take past the command's timeout (killing it, collecting output)."""
 HEALTH_TIMEOUT_S = 5.0
@@ -260,8 +261,7 @@ def pod_manifest(cfg: K8sConfig, sandbox_id: str) -> dict[str, Any]:
             "privileged": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"], "add": list(AGENT_CAPABILITIES)},
-        },
-        "volumeMounts": [{"name": "work", "mountPath": cfg.workdir}],
+        },  # no volumes: the agent reaches the work directory through /proc/<sleeper>/root
     }
     return {
         "apiVersion": "v1",
