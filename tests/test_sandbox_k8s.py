@@ -435,7 +435,7 @@ def local_agent_argv(cfg: K8sConfig, sandbox_id: str, target_pid: int, port: int
 
 @pytest.mark.slow
 @pytest.mark.sandbox
-def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
+def test_agent_readiness_post_and_exec_end_to_end():
     token = secrets.token_hex(16)
     work = E2E_WORKDIR
     holder, target_pid = namespaced_sleeper()
@@ -464,6 +464,7 @@ def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
                 word, pid = result.stdout.split()
                 assert (result.exit_code, word, result.timed_out) == (0, "HELLO", False), result
                 assert int(pid) < 100  # numbered in the target's PID namespace, not the host's
+                assert (await sb.exec("id -u")).stdout == f"{command_uid(sandbox_id)}\n"  # the Pod's --uid
                 result = await sb.exec("echo out; echo err >&2; exit 3")
                 assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
                 result = await sb.exec("head -c 100000 /dev/zero")
@@ -481,6 +482,7 @@ def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
                     await sb.read_file("escape")  # refused by the agent (400)
                 await sb.reset()
                 assert (await sb.exec("ls -A")).stdout == ""
+                assert os.path.exists(f"/proc/{target_pid}")  # a timeout or reset never kills the sleeper
                 async with AgentClient(sandbox_id, address, "wrong-token", cfg) as intruder:
                     with pytest.raises(SandboxError):
                         await intruder.exec("true")
@@ -492,9 +494,8 @@ def test_agent_readiness_post_and_exec_end_to_end(tmp_path):
         finally:
             if agent.poll() is None:
                 agent.kill()
-            output = agent.communicate(timeout=10)[0]
+            print("agent output:", agent.communicate(timeout=10)[0])  # shown when the test fails
             await webhook.stop()
-        return output
 
     try:
         asyncio.run(asyncio.wait_for(go(), 180))
