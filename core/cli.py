@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent_args(agent)
     agent.set_defaults(func=cmd_sandbox_agent)
 
+    sandbox = commands.add_parser("sandbox", help="sandbox backend tools (see docs/sandboxes.md)",
+                                  description="Tools for the [sandbox] backend of a config.")
+    sandbox_commands = sandbox.add_subparsers(dest="sandbox_command", required=True, metavar="SUBCOMMAND",
+                                              help="what to do with the [sandbox] backend")
+    manifests = sandbox_commands.add_parser(
+        "manifests", help="print the Kubernetes objects a run's sandboxes need, for kubectl apply -f -",
+        description="Build the [sandbox] backend of plugins.toml and print its manifests() (the k8s backend: "
+                    "token Secret, headless Service, NetworkPolicy, a sample sandbox Pod).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    _add_config_args(manifests)
+    manifests.add_argument("--format", choices=["yaml", "json"], default="yaml",
+                           help="YAML documents (needs PyYAML, in the k8s extra) or one JSON `kind: List`")
+    manifests.set_defaults(func=cmd_sandbox_manifests)
+
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
                               description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
@@ -168,6 +182,34 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from i3core.manager import load_plugins
 
     print(json.dumps(json_schema(load_plugins()), indent=args.indent))
+    return 0
+
+
+class UsageError(I3Error):
+    """The command does not apply to this config (exit 2, like a config problem)."""
+
+    exit_code = 2
+
+
+def cmd_sandbox_manifests(args: argparse.Namespace) -> int:
+    from i3core.config import load_config
+
+    config, _ = load_config(args.config, args.overrides)
+    spec = config.get("sandbox")
+    if spec is None:
+        raise UsageError(f"{args.config} has no [sandbox] section: nothing to print")
+    backend = spec.build()
+    if not callable(getattr(backend, "manifests", None)):
+        raise UsageError(f"sandbox backend {spec.name!r} has no manifests (only backends that run on a cluster do)")
+    items = backend.manifests()
+    if args.format == "json":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
+        return 0
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError("--format yaml needs PyYAML: pip install 'i3core[k8s]', or use --format json") from None
+    print(yaml.safe_dump_all(items, sort_keys=False), end="")
     return 0
 
 
