@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -181,19 +182,21 @@ def test_kill_all_stays_inside(backend):
 
 
 def test_daemon_left_behind_is_gone_after_close(backend):
+    marker = f"i3-daemon-{uuid.uuid4().hex[:12]}"  # the daemon's $0: findable on the host, and only it
+
     async def go():
         sb = await backend.create()
-        result = await sb.exec("nohup setsid sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo started")
+        result = await sb.exec(f"nohup setsid sh -c 'while :; do sleep 1; done' {marker} >/dev/null 2>&1 & echo started")
         assert result.stdout == "started\n", result
         await asyncio.sleep(0.5)
-        assert "sleep" in (await sb.exec("ps -eo comm=")).stdout
+        assert marker in (await sb.exec(["ps", "-eo", "args="])).stdout
+        assert _pids_with(marker), "the daemon is not visible from the host"
         await sb.close()
         assert not await sb.alive()
 
-    before = _sleep_pids()
     run(go())
     time.sleep(0.5)
-    assert _sleep_pids() - before == set(), "a daemon outlived close()"
+    assert _pids_with(marker) == set(), "a daemon outlived close()"
 
 
 def test_a_gigabyte_of_stdout_is_capped(backend):
@@ -225,5 +228,10 @@ def test_symlink_escape_through_read_file(backend):
     assert "replaced" not in Path("/etc/shadow").read_text()
 
 
-def _sleep_pids() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "sleep"}
+def _pids_with(marker: str) -> set[int]:
+    """Host processes whose command line holds ``marker``."""
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or ()):
+            found.add(proc.pid)
+    return found
