@@ -78,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from i3core.config import load_config
 
     config, plugins = load_config(args.config, args.overrides)
+    config = run.with_defaults(config, plugins)  # a contradiction with a default section: exit 2, nothing written
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "run.jsonl")
     return run.execute(config, plugins)
 
@@ -90,8 +91,10 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from i3core.config import load_config
+    from i3core.run import with_defaults
 
-    config, _ = load_config(args.config, args.overrides)
+    config, plugins = load_config(args.config, args.overrides)
+    config = with_defaults(config, plugins)  # checked as `i3core run` would run it
     used = ", ".join(f"{section}={spec.name}" for section, spec in config.components.items()) or "no components"
     print(f"{args.config}: OK ({used})")
     return 0

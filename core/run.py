@@ -139,22 +139,10 @@ def train(run: Run) -> None:
     source = run.components["inference"]
     rendezvous = None
     try:
-        sync = run.components["weight_sync"]
-        lag = run.components["scheduler"].weight_update_lag
-        keep = getattr(sync.config, "keep", None)
-        if keep is not None and keep <= lag:
-            raise I3Error(f"weight_sync.keep ({keep}) must exceed scheduler.weight_update_lag ({lag}): "
-                          "the servers load versions that old")
+        sync = run.components["weight_sync"]  # contradictions with the scheduler and the source: its check()
         receiver = sync.receiver(paths.broadcasts) if hasattr(sync, "receiver") else None
         if receiver is not None:
-            if lag:
-                raise I3Error(f"scheduler.weight_update_lag ({lag}) needs weights the orchestrator hands out "
-                              f"(weight_sync filesystem): {config.get('weight_sync').name} delivers each version at once")
-            servers = getattr(source.config, "servers", None)
-            if servers is None:
-                raise I3Error(f"weight_sync {config.get('weight_sync').name} needs a rollout source that starts "
-                              "its servers (a `servers` count)")
-            rendezvous = sync.host(paths.broadcasts, servers)
+            rendezvous = sync.host(paths.broadcasts, source.config.servers)
         _wait_for_version_0(trainer, sync, paths, run.output_dir)
         model = run.components["model"]
         tokenizer = model.tokenizer()
