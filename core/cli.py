@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(trainer)
     trainer.set_defaults(func=cmd_trainer)
 
+    plot = commands.add_parser("plot", help="plot a run's metrics.jsonl (PNGs and an HTML summary)",
+                               description="Write plot.png, one PNG per view (reward, loss, off-policy steps, "
+                               "mismatch KL, masked fractions, throughput) and index.html.")
+    plot.add_argument("run_dir", type=Path, help="a run's output directory (holds metrics.jsonl)")
+    plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
+    plot.set_defaults(func=cmd_plot)
+
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
                               description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
@@ -134,6 +141,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from i3core.manager import load_plugins
 
     print(json.dumps(json_schema(load_plugins()), indent=args.indent))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from i3core.plot import plot_run
+
+    written = plot_run(args.run_dir, args.out)
+    print("\n".join(str(path) for path in written))
     return 0
 
 
