@@ -8,7 +8,7 @@ absent are simply not configured: the role that needs one says so.
 Settings that contradict each other across sections (a weight sync that keeps
 fewer versions than the scheduler's lag needs, ...) are found by the
 components themselves: a component class may define
-``check(config, run) -> list[Problem]`` (a staticmethod), called with its own
+``check_config(config, run) -> list[Problem]`` (a staticmethod), called with its own
 validated ``Config`` and the whole :class:`RunConfig` once every section has
 been validated, so they are reported with the other problems (see
 :func:`cross_check`).
@@ -241,14 +241,14 @@ def validate(data: dict[str, Any], plugins: Plugins) -> RunConfig:
 
 
 def cross_check(config: RunConfig) -> list[Problem]:
-    """Contradictions between sections: every configured component's optional ``check(config, run)``.
+    """Contradictions between sections: every configured component's optional ``check_config(config, run)``.
 
     Sections that failed their own validation are absent from ``config``, so a
     check sees only valid sections and never repeats their problems.
     """
     problems: list[Problem] = []
     for spec in config.components.values():
-        check = getattr(spec.component.cls, "check", None)
+        check = getattr(spec.component.cls, "check_config", None)
         if callable(check):
             problems.extend(check(spec.config, config))
     return problems

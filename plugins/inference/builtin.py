@@ -53,7 +53,7 @@ class ServerProcesses:
         self.urls: list[str] = []
 
     @staticmethod
-    def check(config: ServerConfig, run) -> list[Problem]:
+    def check_config(config: ServerConfig, run) -> list[Problem]:
         """A server refuses a request for more than ``max_len`` tokens: the env must ask for fewer."""
         max_tokens = run.option("env", "max_tokens")
         if max_tokens is not None and max_tokens > config.max_len:

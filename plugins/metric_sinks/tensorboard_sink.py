@@ -27,7 +27,7 @@ class TensorBoardSink:
         self._writer = None
 
     @staticmethod
-    def check(config: Config, run) -> list[Problem]:
+    def check_config(config: Config, run) -> list[Problem]:
         return missing_extra("tensorboard", "tensorboard")
 
     @property

@@ -35,7 +35,7 @@ class WandbSink:
         self._run = None
 
     @staticmethod
-    def check(config: Config, run) -> list[Problem]:
+    def check_config(config: Config, run) -> list[Problem]:
         return missing_extra("wandb", "wandb")
 
     def open(self, output_dir: Path) -> None:

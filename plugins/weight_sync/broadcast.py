@@ -214,7 +214,7 @@ class BroadcastSync:
         self._disk = FilesystemSync(FilesystemSync.Config(keep=1))
 
     @staticmethod
-    def check(config: Config, run) -> list[Problem]:
+    def check_config(config: Config, run) -> list[Problem]:
         """Each version goes to every server at once, to servers the run starts itself."""
         problems = []
         lag = run.option("scheduler", "weight_update_lag", 0)

@@ -106,7 +106,7 @@ class FilesystemSync:
         self.config = config
 
     @staticmethod
-    def check(config: Config, run) -> list[Problem]:
+    def check_config(config: Config, run) -> list[Problem]:
         """Servers held ``weight_update_lag`` versions behind load versions that old: they must still be on disk."""
         lag = run.option("scheduler", "weight_update_lag", 0)
         if config.keep <= lag:
