@@ -72,6 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
     plot.set_defaults(func=cmd_plot)
 
+    inference = commands.add_parser("inference", help="one inference server of the run (for clusters)",
+                                    description="Wait for the trainer's version 0 in the shared output_dir, then "
+                                    "become server INDEX of the [inference] rollout source.")
+    _add_config_args(inference)
+    inference.add_argument("--index", type=int, default=0, help="this server's index among the run's servers")
+    inference.add_argument("--port", type=int, default=8000, help="port to listen on")
+    inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
+    inference.set_defaults(func=cmd_inference)
+
+    orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
+                                       description="Drive rollouts on the given inference servers and feed the "
+                                       "trainer through the shared output_dir.")
+    _add_config_args(orchestrator)
+    orchestrator.add_argument("--servers", nargs="+", required=True, metavar="URL",
+                              help="base URLs of the inference servers (http://host:port)")
+    orchestrator.set_defaults(func=cmd_orchestrator)
+
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
                               description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
@@ -94,6 +111,29 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core import trainer
 
     return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
+
+
+def _role_config(args: argparse.Namespace):
+    from i3core.config import load_config
+    from i3core.run import with_defaults
+
+    config, plugins = load_config(args.config, args.overrides)
+    return with_defaults(config, plugins), plugins
+
+
+def cmd_inference(args: argparse.Namespace) -> int:
+    from i3core import roles
+
+    config, _ = _role_config(args)
+    return roles.serve(config, args.index, args.port, args.host)
+
+
+def cmd_orchestrator(args: argparse.Namespace) -> int:
+    from i3core import log, roles
+
+    config, plugins = _role_config(args)
+    log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
+    return roles.orchestrate(config, plugins, args.servers)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -394,7 +394,9 @@ def main(argv=None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
     args = parser.parse_args(argv)
     try:
-        config, _ = load_config(args.config, args.overrides)
+        from i3core.run import with_defaults  # run imports this module
+
+        config = with_defaults(*load_config(args.config, args.overrides))  # plugins.toml as `i3core run` reads it
         for section in ("model", "env", "loss", "optimizer", "weight_sync"):
             if config.get(section) is None:
                 raise I3Error(f"the trainer needs a [{section}] section")
