@@ -89,6 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
                               help="base URLs of the inference servers (http://host:port)")
     orchestrator.set_defaults(func=cmd_orchestrator)
 
+    launch = commands.add_parser("launch", help="render Slurm or Kubernetes launch files for the three roles",
+                                 description="Render deploy/'s templates from plugins.toml (trainer under torchrun, "
+                                 "one inference server per node, the orchestrator on a CPU node); submits nothing.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    launch.add_argument("config", type=Path, help="path to a plugins.toml")
+    launch.add_argument("--dry-run", action="store_true", help="render only (required: launch submits nothing yet)")
+    launch.add_argument("--target", choices=["slurm", "k8s"], default="slurm", help="what to render for")
+    launch.add_argument("--out", type=Path, default=None, help="folder to write the files to (default: stdout)")
+    launch.add_argument("--trainer-nodes", type=int, default=1, help="trainer nodes (torchrun --nnodes)")
+    launch.add_argument("--inference-nodes", type=int, default=None,
+                        help="inference nodes, one server each (default: [inference] servers)")
+    launch.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per trainer/inference node")
+    launch.add_argument("--partition", default="gpu", help="Slurm partition of the GPU nodes")
+    launch.add_argument("--cpu-partition", default="cpu", help="Slurm partition of the orchestrator's node")
+    launch.add_argument("--image", default="i3core:latest", help="Kubernetes: container image with i3core")
+    launch.add_argument("--namespace", default="default", help="Kubernetes namespace")
+    launch.add_argument("--templates", type=Path, default=None, help="deploy/ folder (default: the source tree's)")
+    launch.set_defaults(func=cmd_launch)
+
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
                               description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
@@ -189,6 +208,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     written = plot_run(args.run_dir, args.out)
     print("\n".join(str(path) for path in written))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from i3core.launch import Sizes, launch_files, write
+
+    if not args.dry_run:
+        raise I3Error("i3core launch only renders for now: add --dry-run, then submit the files with "
+                      "sbatch or kubectl apply -f")
+    config, _ = _role_config(argparse.Namespace(config=args.config, overrides=[]))
+    sizes = Sizes(trainer_nodes=args.trainer_nodes, inference_nodes=args.inference_nodes,
+                  gpus_per_node=args.gpus_per_node, gpu_partition=args.partition, cpu_partition=args.cpu_partition,
+                  image=args.image, namespace=args.namespace)
+    for path in write(launch_files(config, args.config, args.target, sizes, args.templates), args.out):
+        print(path)
     return 0
 
 
