@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Write plot.png, one PNG per view (reward, loss, off-policy steps, "
                                "mismatch KL, masked fractions, throughput) and index.html.")
     plot.add_argument("run_dir", type=Path, help="a run's output directory (holds metrics.jsonl)")
-    plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
     plot.set_defaults(func=cmd_plot)
 
     inference = commands.add_parser("inference", help="one inference server of the run (for clusters)",

@@ -191,7 +191,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 def summary_html(run_dir: Path, rows: list[dict]) -> str:
     """A page with every view (relative links) and the last step's metrics."""
     resolved = run_dir / "config.resolved.json"
-    name = json.loads(resolved.read_text()).get("run", {}).get("name", run_dir.name) if resolved.exists() else run_dir.name
+    name = run_dir.name
+    if resolved.exists():
+        name = json.loads(resolved.read_text()).get("run", {}).get("name", name)
     last = rows[-1]
     cells = "\n".join(f"<tr><td>{html.escape(k)}</td><td>{_format(v)}</td></tr>" for k, v in sorted(last.items()))
     figures = "\n".join(f'<figure><img src="{v.name}.png" alt="{html.escape(v.title)}">'

@@ -107,7 +107,8 @@ def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path):
 def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path):
     plain = run_cli("launch", QUICKSTART)
     assert plain.returncode == 1 and plain.stderr.splitlines() == [
-        "error: i3core launch only renders for now: add --dry-run, then submit the files with sbatch or kubectl apply -f"]
+        "error: i3core launch only renders for now: add --dry-run, then submit the files with sbatch or "
+        "kubectl apply -f"]
     config = tmp_path / "p.toml"
     config.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace(
         'use = "filesystem"', 'use = "broadcast"').replace("keep = 3", ""))

@@ -47,6 +47,7 @@ def test_tensorboard_sink_round_trip(tmp_path):
     assert got["rollouts/started"] == [(1, 64.0), (2, 128.0), (3, 192.0)]
 
 
+@pytest.mark.slow
 def test_the_run_writes_jsonl_and_the_configured_tensorboard_sink(tensorboard_run):
     out, rows = tensorboard_run
     assert [r["step"] for r in rows] == [1, 2, 3]  # metrics.jsonl: always written
@@ -57,6 +58,7 @@ def test_the_run_writes_jsonl_and_the_configured_tensorboard_sink(tensorboard_ru
         assert [v for _, v in got[key]] == pytest.approx([r[key] for r in rows], rel=1e-6), key
 
 
+@pytest.mark.slow
 def test_the_trainer_logs_mismatch_kl(tensorboard_run):
     _, rows = tensorboard_run
     assert all(math.isfinite(r["mismatch/kl"]) and r["mismatch/kl"] >= 0 for r in rows)
@@ -135,12 +137,14 @@ def check_plots(folder, run_dir):
     return page
 
 
+@pytest.mark.slow
 def test_the_run_ends_with_its_plots_and_summary(tensorboard_run):
     out, rows = tensorboard_run
     page = check_plots(out / "plots", out)
     assert "<td>mismatch/kl</td>" in page and f"Metrics at step {rows[-1]['step']}" in page
 
 
+@pytest.mark.slow
 def test_plot_command_on_a_real_run(tensorboard_run, tmp_path):
     out, _ = tensorboard_run
     result = run_cli("plot", str(out), "--out", str(tmp_path / "p"))

@@ -67,7 +67,8 @@ def test_roles_refuse_the_broadcast_weight_sync_in_one_line(tmp_path):
     config = role_config(tmp_path)
     config.write_text(config.read_text().replace('use = "filesystem"', 'use = "broadcast"').replace("keep = 3", ""))
     for role in (["inference", str(config)], ["orchestrator", str(config), "--servers", "http://127.0.0.1:1"]):
-        result = subprocess.run([sys.executable, "-m", "i3core.cli", *role], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-m", "i3core.cli", *role], capture_output=True, text=True,
+                                timeout=120)
         assert result.returncode == 1 and result.stderr.splitlines() == [
             "error: weight_sync 'broadcast' works only under `i3core run`; roles on separate machines need "
             '[weight_sync] use = "filesystem"'], result.stderr

@@ -46,7 +46,8 @@ class WandbSink:
         name = self.config.name or run_config.get("run", {}).get("name")
         self._run = wandb.init(
             project=self.config.project, entity=self.config.entity, name=name, group=self.config.group,
-            mode=self.config.mode, dir=str(output_dir), config=run_config, settings=wandb.Settings(silent=True, console="off"),
+            mode=self.config.mode, dir=str(output_dir), config=run_config,
+            settings=wandb.Settings(silent=True, console="off"),  # the run's console stays the run's
         )  # fmt: skip
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
