@@ -212,6 +212,7 @@ class BroadcastSync:
     def __init__(self, config: Config):
         self.config = config
         self._disk = FilesystemSync(FilesystemSync.Config(keep=1))
+        self._sender: Sender | None = None
 
     @staticmethod
     def check_config(config: Config, run) -> list[Problem]:
@@ -226,7 +227,6 @@ class BroadcastSync:
             problems.append(Problem("weight_sync.use", f"broadcast needs a rollout source that starts its servers "
                                     f"(a `servers` count); inference {source.name!r} has none"))
         return problems
-        self._sender: Sender | None = None
 
     def location(self, root: Path, version: int) -> Path | None:
         """Version 0 is a directory; later versions reach the servers by broadcast (no path)."""
