@@ -150,7 +150,7 @@ def train(run: Run) -> None:
     source = run.components["inference"]
     rendezvous = None
     try:
-        sync = run.components["weight_sync"]  # contradictions with the scheduler and the source: its check()
+        sync = run.components["weight_sync"]  # contradictions with the scheduler and the source: its check_config()
         receiver = sync.receiver(paths.broadcasts) if hasattr(sync, "receiver") else None
         if receiver is not None:
             rendezvous = sync.host(paths.broadcasts, source.config.servers)
