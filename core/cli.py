@@ -110,6 +110,50 @@ def build_parser() -> argparse.ArgumentParser:
                            help="YAML documents (needs PyYAML, in the k8s extra) or one JSON `kind: List`")
     manifests.set_defaults(func=cmd_sandbox_manifests)
 
+    plot = commands.add_parser("plot", help="plot a run's metrics.jsonl (PNGs and an HTML summary)",
+                               description="Write plot.png, one PNG per view (reward, loss, off-policy steps, "
+                               "mismatch KL, masked fractions, throughput) and index.html.")
+    plot.add_argument("run_dir", type=Path, help="a run's output directory (holds metrics.jsonl)")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
+    plot.set_defaults(func=cmd_plot)
+
+    inference = commands.add_parser("inference", help="one inference server of the run (for clusters)",
+                                    description="Wait for the trainer's version 0 in the shared output_dir, then "
+                                    "become server INDEX of the [inference] rollout source.")
+    _add_config_args(inference)
+    inference.add_argument("--index", type=int, default=0, help="this server's index among the run's servers")
+    inference.add_argument("--port", type=int, default=8000, help="port to listen on")
+    inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
+    inference.set_defaults(func=cmd_inference)
+
+    orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
+                                       description="Drive rollouts on the given inference servers and feed the "
+                                       "trainer through the shared output_dir.")
+    _add_config_args(orchestrator)
+    orchestrator.add_argument("--servers", nargs="+", required=True, metavar="URL",
+                              help="base URLs of the inference servers (http://host:port)")
+    orchestrator.set_defaults(func=cmd_orchestrator)
+
+    launch = commands.add_parser("launch", help="render Slurm or Kubernetes launch files for the three roles",
+                                 description="Render deploy/'s templates from plugins.toml (trainer under torchrun, "
+                                 "one inference server per node, the orchestrator on a CPU node); submits nothing.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    launch.add_argument("config", type=Path, help="path to a plugins.toml")
+    launch.add_argument("--dry-run", action="store_true", help="render only (required: launch submits nothing yet)")
+    launch.add_argument("--target", choices=["slurm", "k8s"], default="slurm", help="what to render for")
+    launch.add_argument("--out", type=Path, default=None, help="folder to write the files to (default: stdout)")
+    launch.add_argument("--trainer-nodes", type=int, default=1, help="trainer nodes (torchrun --nnodes)")
+    launch.add_argument("--inference-nodes", type=int, default=None,
+                        help="inference nodes, one server each (default: [inference] servers)")
+    launch.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per trainer/inference node")
+    launch.add_argument("--partition", default="gpu", help="Slurm partition of the GPU nodes")
+    launch.add_argument("--cpu-partition", default="cpu", help="Slurm partition of the orchestrator's node")
+    launch.add_argument("--image", default="i3core:latest", help="Kubernetes: container image with i3core")
+    launch.add_argument("--namespace", default="default", help="Kubernetes namespace")
+    launch.add_argument("--templates", type=Path, default=None, help="deploy/ folder (default: the source tree's)")
+    launch.set_defaults(func=cmd_launch)
+
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
                               description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
@@ -123,6 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from i3core.config import load_config
 
     config, plugins = load_config(args.config, args.overrides)
+    config = run.with_defaults(config, plugins)  # a contradiction with a default section: exit 2, nothing written
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "run.jsonl")
     return run.execute(config, plugins)
 
@@ -139,10 +184,35 @@ def cmd_sandbox_agent(args: argparse.Namespace) -> int:
     return sandbox_agent.main(args)
 
 
+def _role_config(args: argparse.Namespace):
+    from i3core.config import load_config
+    from i3core.run import with_defaults
+
+    config, plugins = load_config(args.config, args.overrides)
+    return with_defaults(config, plugins), plugins
+
+
+def cmd_inference(args: argparse.Namespace) -> int:
+    from i3core import roles
+
+    config, _ = _role_config(args)
+    return roles.serve(config, args.index, args.port, args.host)
+
+
+def cmd_orchestrator(args: argparse.Namespace) -> int:
+    from i3core import log, roles
+
+    config, plugins = _role_config(args)
+    log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
+    return roles.orchestrate(config, plugins, args.servers)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from i3core.config import load_config
+    from i3core.run import with_defaults
 
-    config, _ = load_config(args.config, args.overrides)
+    config, plugins = load_config(args.config, args.overrides)
+    config = with_defaults(config, plugins)  # checked as `i3core run` would run it
     used = ", ".join(f"{section}={spec.name}" for section, spec in config.components.items()) or "no components"
     print(f"{args.config}: OK ({used})")
     return 0
@@ -210,6 +280,29 @@ def cmd_sandbox_manifests(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("--format yaml needs PyYAML: pip install 'i3core[k8s]', or use --format json") from None
     print(yaml.safe_dump_all(items, sort_keys=False), end="")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from i3core.plot import plot_run
+
+    written = plot_run(args.run_dir, args.out)
+    print("\n".join(str(path) for path in written))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from i3core.launch import Sizes, launch_files, write
+
+    if not args.dry_run:
+        raise I3Error("i3core launch only renders for now: add --dry-run, then submit the files with "
+                      "sbatch or kubectl apply -f")
+    config, _ = _role_config(argparse.Namespace(config=args.config, overrides=[]))
+    sizes = Sizes(trainer_nodes=args.trainer_nodes, inference_nodes=args.inference_nodes,
+                  gpus_per_node=args.gpus_per_node, gpu_partition=args.partition, cpu_partition=args.cpu_partition,
+                  image=args.image, namespace=args.namespace)
+    for path in write(launch_files(config, args.config, args.target, sizes, args.templates), args.out):
+        print(path)
     return 0
 
 

@@ -4,6 +4,14 @@ Each component section names its component with ``use``; every other key is
 validated against that component's ``Config`` (``extra="forbid"``). Problems
 carry their TOML path, the valid keys and a "did you mean". Sections that are
 absent are simply not configured: the role that needs one says so.
+
+Settings that contradict each other across sections (a weight sync that keeps
+fewer versions than the scheduler's lag needs, ...) are found by the
+components themselves: a component class may define
+``check_config(config, run) -> list[Problem]`` (a staticmethod), called with its own
+validated ``Config`` and the whole :class:`RunConfig` once every section has
+been validated, so they are reported with the other problems (see
+:func:`cross_check`).
 """
 
 import json
@@ -114,6 +122,11 @@ class RunConfig:
     def get(self, section: str) -> ComponentSpec | None:
         return self.components.get(section)
 
+    def option(self, section: str, key: str, default: Any = None) -> Any:
+        """The value of ``key`` in the component ``section``; ``default`` if the section or its key is absent."""
+        spec = self.components.get(section)
+        return default if spec is None else getattr(spec.config, key, default)
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config (defaults filled in), as plain JSON-able data."""
         data: dict[str, Any] = {name: getattr(self, name).model_dump(mode="json") for name in FIXED_SECTIONS}
@@ -219,10 +232,26 @@ def validate(data: dict[str, Any], plugins: Plugins) -> RunConfig:
             spec = validate_component(section, value, plugins, problems)
             if spec is not None:
                 components[section] = spec
+    config = RunConfig(**{name: fixed.get(name) or model() for name, model in FIXED_SECTIONS.items()},
+                       components=components)
+    problems.extend(cross_check(config))
     if problems:
         raise ConfigError(problems)
-    return RunConfig(**{name: fixed.get(name) or model() for name, model in FIXED_SECTIONS.items()},
-                     components=components)
+    return config
+
+
+def cross_check(config: RunConfig) -> list[Problem]:
+    """Contradictions between sections: every configured component's optional ``check_config(config, run)``.
+
+    Sections that failed their own validation are absent from ``config``, so a
+    check sees only valid sections and never repeats their problems.
+    """
+    problems: list[Problem] = []
+    for spec in config.components.values():
+        check = getattr(spec.component.cls, "check_config", None)
+        if callable(check):
+            problems.extend(check(spec.config, config))
+    return problems
 
 
 def validate_component(
@@ -272,7 +301,7 @@ def _problem_from_pydantic(model: type[BaseModel], section: str, error: dict[str
         valid = _fields_at(model, loc[:-1])
         keys = ", ".join(valid) if valid else "none"
         return Problem(path, f"unknown key{did_you_mean(key, valid)}; valid keys: {keys}")
-    message = error["msg"]
+    message = error["msg"].removeprefix("Value error, ")  # a model validator's own sentence says enough
     if error["type"] != "missing" and "input" in error and not isinstance(error["input"], dict):
         message += f", got {error['input']!r}"
     return Problem(path, message)

@@ -52,6 +52,10 @@ ALL_DOWN_TIMEOUT_S = 300.0
 """With every server down this long (none re-admitted), the run fails instead of waiting forever."""
 FILTERED = "group_filtered"
 """Masked reason of the rollouts of a group that an ``i3_on_group_scored`` plugin dropped."""
+NONFINITE_REWARD = "nonfinite_reward"
+"""Masked reason of a rollout whose reward is NaN or infinite (from the env or a reshaping plugin)."""
+NONFINITE_LOGPROB = "nonfinite_logprob"
+"""Masked reason of a rollout with a NaN or infinite logprob on a model token (from the server)."""
 
 
 @dataclass
@@ -283,10 +287,20 @@ class Orchestrator:
     def _close_group(self, group: Group) -> None:
         if not group.rollouts:
             return
-        if group_kept(self.plugins.hook, group):
-            self._ready.append(group)
-        else:
+        if not group_kept(self.plugins.hook, group):
             self.ledger.mask(FILTERED, len(group.rollouts))
+            return
+        kept = []
+        for rollout in group.rollouts:  # after every plugin had its say: nothing non-finite reaches a batch
+            reason = _nonfinite(rollout)
+            if reason is None:
+                kept.append(rollout)
+            else:
+                self.ledger.mask(reason)
+                log.warning("rollout masked", example=group.example.id, reason=reason)
+        group.rollouts[:] = kept
+        if kept:
+            self._ready.append(group)
 
     def _in_flight(self) -> int:
         """Started rollouts not yet trained, dropped, masked or failed, counted where they are."""
@@ -416,6 +430,15 @@ class Orchestrator:
             log.warning("every inference server is down; waiting for one to come back")
         elif now - self._all_down_since > self.all_down_timeout_s:
             raise I3Error(f"every inference server has been down for {self.all_down_timeout_s:.0f}s")
+
+
+def _nonfinite(rollout: Rollout) -> str | None:
+    """Why ``rollout`` must not be trained on (a NaN/inf reward or model-token logprob), or None."""
+    if not math.isfinite(rollout.reward):
+        return NONFINITE_REWARD
+    if any(m and not math.isfinite(lp) for lp, m in zip(rollout.completion_logprobs, rollout.completion_mask)):
+        return NONFINITE_LOGPROB
+    return None
 
 
 def _batch_metrics(rollouts: list[Rollout], trained_version: int) -> dict[str, float]:

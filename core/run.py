@@ -35,6 +35,9 @@ DEFAULT_SECTIONS = {
     "metrics": "jsonl",
 }
 """Components a training run uses when their section is absent."""
+RECORD_SINK = "jsonl"
+"""The metric sink every training run writes (metrics.jsonl: what plots, tests and resume read); ``[metrics]``
+names it or one more sink."""
 TRAINER_START_TIMEOUT_S = 900.0
 """The trainer publishes version 0 after its SFT warm start; that must happen within this bound."""
 TRAINER_EXIT_TIMEOUT_S = 120.0
@@ -48,9 +51,12 @@ class Run:
     plugins: Plugins
     output_dir: Path
     components: dict[str, Any] = field(default_factory=dict)
+    sinks: list = field(default_factory=list)
+    """Open metric sinks: the ``[metrics]`` component, after the ``jsonl`` record when that is another sink."""
 
     def close(self) -> None:
-        for obj in reversed(list(self.components.values())):
+        components = list(self.components.values())
+        for obj in [*reversed(components), *(s for s in self.sinks if all(s is not c for c in components))]:
             closer = getattr(obj, "close", None)
             if callable(closer):
                 closer()
@@ -79,6 +85,11 @@ def build(config: RunConfig, plugins: Plugins) -> Run:
         log.debug("built component", section=section, kind=spec.kind, name=spec.name)
     sink = run.components.get("metrics")
     if sink is not None:
+        if config.get("metrics").name != RECORD_SINK:
+            record = plugins.registry.get("metric_sink", RECORD_SINK)
+            run.sinks.append(record.build(record.config_model()))
+        run.sinks.append(sink)
+    for sink in run.sinks:
         sink.open(output_dir)
     return run
 
@@ -139,22 +150,10 @@ def train(run: Run) -> None:
     source = run.components["inference"]
     rendezvous = None
     try:
-        sync = run.components["weight_sync"]
-        lag = run.components["scheduler"].weight_update_lag
-        keep = getattr(sync.config, "keep", None)
-        if keep is not None and keep <= lag:
-            raise I3Error(f"weight_sync.keep ({keep}) must exceed scheduler.weight_update_lag ({lag}): "
-                          "the servers load versions that old")
+        sync = run.components["weight_sync"]  # contradictions with the scheduler and the source: its check_config()
         receiver = sync.receiver(paths.broadcasts) if hasattr(sync, "receiver") else None
         if receiver is not None:
-            if lag:
-                raise I3Error(f"scheduler.weight_update_lag ({lag}) needs weights the orchestrator hands out "
-                              f"(weight_sync filesystem): {config.get('weight_sync').name} delivers each version at once")
-            servers = getattr(source.config, "servers", None)
-            if servers is None:
-                raise I3Error(f"weight_sync {config.get('weight_sync').name} needs a rollout source that starts "
-                              "its servers (a `servers` count)")
-            rendezvous = sync.host(paths.broadcasts, servers)
+            rendezvous = sync.host(paths.broadcasts, source.config.servers)
         _wait_for_version_0(trainer, sync, paths, run.output_dir)
         model = run.components["model"]
         tokenizer = model.tokenizer()
@@ -163,7 +162,7 @@ def train(run: Run) -> None:
         urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs", **extra)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
-                                    [run.components["metrics"]], progress=_progress(config.run.max_steps))
+                                    run.sinks, progress=_progress(config.run.max_steps))
         asyncio.run(_orchestrate(orchestrator, trainer, clients, sandbox))
     finally:
         paths.stop().write_text("")
@@ -248,25 +247,10 @@ def _progress(total: int):
 
 
 def _plot(out: Path) -> None:
-    """``plot.png``: reward and loss per step, from metrics.jsonl."""
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        return
-    import matplotlib
+    """The run's plots (:mod:`i3core.plot`); a run that ended before its first step has none."""
+    from i3core.plot import plot_run
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    steps = [r["step"] for r in rows]
-    for ax, key in zip(axes, ("reward/mean", "loss")):
-        ax.plot(steps, [r.get(key) for r in rows], marker=".")
-        ax.set_xlabel("step")
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "plot.png", dpi=100)
-    plt.close(fig)
+    try:
+        plot_run(out)
+    except I3Error as exc:
+        log.warning("no plots", reason=str(exc))

@@ -267,6 +267,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         loss_sum, abs_diff, n_tokens = 0.0, 0.0, 0
         same_diff, same_tokens = 0.0, 0  # tokens sampled by exactly these weights: engine vs trainer numerics
+        kl_sum, kl_tokens = 0.0, 0  # k3 estimate of KL(inference || trainer) over loss tokens with finite logprobs
         activation_bytes = 0
         for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
                                 batch.versions.split(tcfg.micro_batch_rows)):
@@ -291,6 +292,9 @@ class Trainer:
                 metrics[key] = metrics.get(key, 0.0) + value * weight
             diff = (lp.detach().reshape(-1) - mb["inference_logprobs"].reshape(-1))[mask]
             abs_diff += float(diff.abs().sum())
+            finite = diff[torch.isfinite(diff)]
+            kl_sum += float((finite.exp() - 1 - finite).sum())
+            kl_tokens += len(finite)
             n_tokens += weight
             same = _whole_sample_at(versions.reshape(-1), mb["sequence_ids"].reshape(-1), mask, version)[mask]
             same_diff += float(diff[same].abs().sum())
@@ -298,9 +302,10 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm)
         optimizer.step()
         if self.world > 1:  # sums over ranks; the loss plugin's own metrics stay rank 0's
-            sums = torch.tensor([loss_sum, abs_diff, n_tokens, same_diff, same_tokens], dtype=torch.float64)
+            sums = torch.tensor([loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens],
+                                dtype=torch.float64)
             dist.all_reduce(sums)
-            loss_sum, abs_diff, n_tokens, same_diff, same_tokens = sums.tolist()
+            loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens = sums.tolist()
         metrics = {k: v / max(n_tokens, 1) for k, v in metrics.items()}
         metrics["memory/activations_mb"] = activation_bytes / 2**20
         if torch.cuda.is_available():
@@ -311,6 +316,8 @@ class Trainer:
                 "loss": loss_sum,
                 "grad_norm": _plain(grad_norm),
                 "mismatch/mean_abs_logprob_diff": abs_diff / max(n_tokens, 1),
+                # The trainer's own, whatever the loss: k3 = r - 1 - log r, r = exp(trainer - inference logprob)
+                "mismatch/kl": kl_sum / max(kl_tokens, 1),
                 "mismatch/same_version_abs_diff": same_diff / same_tokens if same_tokens else float("nan"),
                 "mismatch/same_version_tokens": float(same_tokens),
                 "train/loss_tokens": float(total),
@@ -387,7 +394,9 @@ def main(argv=None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
     args = parser.parse_args(argv)
     try:
-        config, _ = load_config(args.config, args.overrides)
+        from i3core.run import with_defaults  # run imports this module
+
+        config = with_defaults(*load_config(args.config, args.overrides))  # plugins.toml as `i3core run` reads it
         for section in ("model", "env", "loss", "optimizer", "weight_sync"):
             if config.get(section) is None:
                 raise I3Error(f"the trainer needs a [{section}] section")

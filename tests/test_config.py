@@ -61,7 +61,7 @@ def test_unknown_section_wrong_type_and_missing_use(builtins):
 
 def test_component_validators_run(builtins):
     found = problems({"loss": {"use": "icepop", "mask_low": 6.0, "mask_high": 5.0}}, builtins)
-    assert found == [("loss", "Value error, mask_low (6.0) must not exceed mask_high (5.0)")]
+    assert found == [("loss", "mask_low (6.0) must not exceed mask_high (5.0)")]
 
 
 def test_use_must_be_a_string(builtins):

@@ -144,3 +144,60 @@ def test_health_and_metrics(served):
     assert run(get("/health"))["status"] == "ok"
     metrics = run(get("/metrics"))
     assert metrics["max_slots"] == 8 and metrics["tokens_generated"] > 0
+
+
+MALFORMED = [
+    # (method, path, raw body, status, words in the message)
+    ("POST", "/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/completions", b"\xff\xfe\x00{\x80}", 400, "not valid JSON"),  # not UTF-8
+    ("POST", "/v1/completions", b"", 400, "must be a JSON object"),
+    ("POST", "/v1/completions", b"[1, 2, 3]", 400, "must be a JSON object"),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    ("POST", "/v1/completions", b'{"prompt": {"a": 1}}', 400, "prompt must be"),
+    ("POST", "/v1/completions", b'{"prompt": [1, true]}', 400, "prompt must be"),
+    ("POST", "/v1/completions", b'{"prompt": [1, -1]}', 400, "prompt token ids must be in"),
+    ("POST", "/v1/completions", b'{"prompt": [1, 100000000000000000000000]}', 400, "prompt token ids must be in"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": "8"}', 400, "max_tokens must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": 8.0}', 400, "max_tokens must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": -5}', 400, "max_tokens must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": 1000000000000}', 400, "max_tokens must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": 1e400}', 400, "max_tokens must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "temperature": NaN}', 400, "temperature must be a finite"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "temperature": Infinity}', 400, "temperature must be a finite"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "temperature": "hot"}', 400, "temperature must be"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "stop_token_ids": 5}', 400, "stop_token_ids must be"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "seed": 1.5}', 400, "seed must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "n": true}', 400, "n must be an integer"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokns": 4}', 400,
+     "unknown field 'max_tokns' (did you mean 'max_tokens'?)"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "stream": true}', 400, "unknown field 'stream'"),
+    ("POST", "/v1/chat/completions", b'{"messages": "hi"}', 400, "messages must be a non-empty list"),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": 3}]}', 400, "string role and content"),
+    ("POST", "/update_weights", b'{"version": "1"}', 400, "integer version"),
+    ("POST", "/update_weights", b'{"version": 1, "path": 5}', 400, "path must be a string"),
+    ("POST", "/update_weights", b'{"version": 1, "pth": "/x"}', 400, "unknown field 'pth' (did you mean 'path'?)"),
+    ("GET", "/v1/completions", b"", 405, "Method Not Allowed: GET /v1/completions (allowed: POST)"),
+    ("DELETE", "/health", b"", 405, "allowed: GET"),
+    ("POST", "/v2/completions", b"{}", 404, "Not Found: POST /v2/completions"),
+    ("POST", "/v1/completions", b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}', 413, "at most 16777216 bytes"),
+]
+
+
+def test_malformed_requests_get_4xx_with_a_message_and_the_server_keeps_serving(served):
+    """Every request of MALFORMED in turn against one real server process; a good request works after each."""
+    url, _, _ = served
+
+    async def scenario():
+        answers = []
+        async with aiohttp.ClientSession() as session:
+            for method, path, raw, _, _ in MALFORMED:
+                headers = {"Content-Type": "application/json"}
+                async with session.request(method, url + path, data=raw, headers=headers) as response:
+                    answers.append((response.status, await response.json(content_type=None)))
+                async with session.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}) as good:
+                    assert good.status == 200, (path, raw[:40])
+        return answers
+
+    answers = run(scenario())
+    for (method, path, raw, status, words), (got_status, body) in zip(MALFORMED, answers):
+        assert (got_status, words in body["error"]["message"]) == (status, True), (method, path, raw[:60], body)

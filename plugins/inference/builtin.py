@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import I3Error, ServerError
+from i3core.errors import I3Error, Problem, ServerError
 from i3core.plugins.inference.client import InferenceClient
 
 STARTUP_TIMEOUT_S = 120.0
@@ -51,6 +51,15 @@ class ServerProcesses:
         self.config = config
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
+
+    @staticmethod
+    def check_config(config: ServerConfig, run) -> list[Problem]:
+        """A server refuses a request for more than ``max_len`` tokens: the env must ask for fewer."""
+        max_tokens = run.option("env", "max_tokens")
+        if max_tokens is not None and max_tokens > config.max_len:
+            return [Problem("env.max_tokens", f"{max_tokens} exceeds inference.max_len ({config.max_len}): "
+                                              "the servers would refuse every request")]
+        return []
 
     def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
         raise NotImplementedError

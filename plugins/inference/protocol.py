@@ -6,7 +6,9 @@ the vLLM API process imports it without the builtin engine.
 """
 
 import asyncio
+import difflib
 import json
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,14 +25,30 @@ def error_body(message: str) -> dict:
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """A request body that must be one JSON object."""
+    """A request body that must be one JSON object (UTF-8, nested no deeper than Python's parser allows)."""
     try:
         body = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
+
+
+COMPLETION_FIELDS = ("model", "prompt", "n", "max_tokens", "temperature", "stop_token_ids", "seed")
+"""What ``/v1/completions`` reads (``model`` is accepted and ignored: one model per server)."""
+CHAT_FIELDS = ("model", "messages", "n", "max_tokens", "temperature", "stop_token_ids", "seed")
+
+
+def check_fields(body: dict, known: tuple[str, ...]) -> None:
+    """Refuse fields the endpoint does not read (a typo would otherwise be silently ignored)."""
+    for key in body:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}")
 
 
 def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
@@ -63,8 +81,9 @@ def parse_sampling(body: dict, max_len: int, default_stop: list[int]) -> Samplin
     n = _int(body, "n", 1, 1, MAX_N)
     max_tokens = _int(body, "max_tokens", 16, 1, max_len)
     temperature = body.get("temperature", 1.0)
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
-        raise BadRequest("temperature must be a number >= 0")
+    if (not isinstance(temperature, int | float) or isinstance(temperature, bool) or not math.isfinite(temperature)
+            or temperature < 0):
+        raise BadRequest("temperature must be a finite number >= 0")
     stop = body.get("stop_token_ids", default_stop)
     if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
         raise BadRequest("stop_token_ids must be a list of integers")

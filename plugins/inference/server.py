@@ -32,8 +32,11 @@ from aiohttp import web
 
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.inference.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
     BadRequest,
     VersionWaits,
+    check_fields,
     completion_choice,
     envelope,
     error_body,
@@ -45,6 +48,9 @@ from i3core.plugins.inference.protocol import (
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
 from i3core.plugins.weight_sync.filesystem import reading
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Largest request body (aiohttp answers 413 beyond it): a full-context token-id prompt is far smaller."""
 
 
 class Server:
@@ -126,6 +132,7 @@ class Server:
 
     async def completions(self, http: web.Request) -> web.Response:
         body = await _json_body(http)
+        check_fields(body, COMPLETION_FIELDS)
         prompt_ids = parse_prompt(body, self.engine.vocab_size, lambda text: self.tokenizer.encode(text).ids)
         seqs = await self._generate_n(body, prompt_ids)
         choices = [
@@ -137,6 +144,7 @@ class Server:
 
     async def chat_completions(self, http: web.Request) -> web.Response:
         body = await _json_body(http)
+        check_fields(body, CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list")
@@ -206,6 +214,7 @@ class Server:
 
     async def update_weights(self, http: web.Request) -> web.Response:
         body = await _json_body(http)
+        check_fields(body, ("path", "version"))
         path, version = body.get("path"), body.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise BadRequest("update_weights needs an integer version >= 0")
@@ -266,15 +275,25 @@ async def _json_body(http: web.Request) -> dict:
 
 @web.middleware
 async def _errors(request: web.Request, handler):
+    """Every client error as JSON with a message: ours (400) and aiohttp's (404, 405, 413, ...)."""
     try:
         return await handler(request)
     except BadRequest as exc:
         return web.json_response(error_body(str(exc)), status=400)
+    except web.HTTPException as exc:
+        if not 400 <= exc.status < 500:
+            raise
+        message = f"{exc.reason}: {request.method} {request.path}"
+        if exc.status == 405:
+            message += f" (allowed: {', '.join(sorted(exc.allowed_methods))})"
+        elif exc.status == 413:
+            message = f"{exc.reason}: the body may hold at most {MAX_BODY_BYTES} bytes"
+        return web.json_response(error_body(message), status=exc.status)
 
 
 def make_app(server: Server, receiver=None) -> web.Application:
     """The HTTP app; with a broadcast ``receiver`` a thread takes the versions it delivers."""
-    app = web.Application(middlewares=[_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app.add_routes(
         [
             web.post("/v1/completions", server.completions),

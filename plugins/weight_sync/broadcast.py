@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import I3Error
+from i3core.errors import I3Error, Problem
 from i3core.files import atomic_write_bytes
 from i3core.plugins.weight_sync.filesystem import FilesystemSync
 
@@ -213,6 +213,20 @@ class BroadcastSync:
         self.config = config
         self._disk = FilesystemSync(FilesystemSync.Config(keep=1))
         self._sender: Sender | None = None
+
+    @staticmethod
+    def check_config(config: Config, run) -> list[Problem]:
+        """Each version goes to every server at once, to servers the run starts itself."""
+        problems = []
+        lag = run.option("scheduler", "weight_update_lag", 0)
+        if lag:
+            problems.append(Problem("scheduler.weight_update_lag", f"{lag} needs weights the orchestrator hands out "
+                                    "(weight_sync filesystem): broadcast delivers each version at once"))
+        source = run.get("inference")
+        if source is not None and getattr(source.config, "servers", None) is None:
+            problems.append(Problem("weight_sync.use", f"broadcast needs a rollout source that starts its servers "
+                                    f"(a `servers` count); inference {source.name!r} has none"))
+        return problems
 
     def location(self, root: Path, version: int) -> Path | None:
         """Version 0 is a directory; later versions reach the servers by broadcast (no path)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import I3Error
+from i3core.errors import I3Error, Problem
 from i3core.files import atomic_write_bytes
 
 log = structlog.get_logger("i3core.weight_sync")
@@ -104,6 +104,15 @@ class FilesystemSync:
 
     def __init__(self, config: Config):
         self.config = config
+
+    @staticmethod
+    def check_config(config: Config, run) -> list[Problem]:
+        """Servers held ``weight_update_lag`` versions behind load versions that old: they must still be on disk."""
+        lag = run.option("scheduler", "weight_update_lag", 0)
+        if config.keep <= lag:
+            return [Problem("weight_sync.keep", f"{config.keep} must exceed scheduler.weight_update_lag ({lag}): "
+                                                "the servers load versions that old")]
+        return []
 
     @staticmethod
     def location(root: Path, version: int) -> Path:

@@ -1,0 +1,125 @@
+"""The inference and orchestrator roles on their own, for a run spread over machines.
+
+``i3core run`` starts all three roles on one machine. On a cluster each starts
+on its own (``deploy/`` has Slurm and Kubernetes templates for this), and they
+meet in the run's ``output_dir`` on a filesystem every node mounts:
+
+- trainer: ``torchrun ... -m i3core.trainer plugins.toml`` (:mod:`i3core.trainer`)
+  publishes version 0 (after its SFT warm start) and every later version under
+  ``broadcasts/``, reads each step's batch from ``batches/``;
+- inference (:func:`serve`): waits for version 0, then becomes server ``index``
+  of the ``[inference]`` rollout source (the same command ``i3core run`` starts:
+  the builtin server, or vLLM with i3core's worker extension);
+- orchestrator (:func:`orchestrate`): waits for version 0, drives rollouts on
+  the servers it is given (``--servers URL ...``), writes the batches and the
+  metrics, and tells the servers to load each new version by its path.
+
+Only the ``filesystem`` weight sync works across machines this way (the
+``broadcast`` group is hosted by ``i3core run``), and the orchestrator role
+does not start sandboxes yet. The orchestrator cannot see the trainer process:
+when the trainer dies, the orchestrator waits; the launcher (Slurm, Kubernetes)
+ends the job.
+"""
+
+import asyncio
+import os
+import time
+
+import structlog
+
+from i3core.config import RunConfig
+from i3core.errors import I3Error
+from i3core.manager import Plugins
+from i3core.trainer import RunPaths
+
+log = structlog.get_logger("i3core.roles")
+
+VERSION_0_TIMEOUT_S = 3600.0
+"""How long a role waits for the trainer's version 0 (the trainer may still be queued or in its SFT warm start)."""
+POLL_S = 1.0
+
+
+def _filesystem_sync(config: RunConfig):
+    sync = config.get("weight_sync").build()
+    if sync.receiver(RunPaths(config.run.out).broadcasts) is not None:
+        raise I3Error(f"weight_sync {config.get('weight_sync').name!r} works only under `i3core run`; "
+                      'roles on separate machines need [weight_sync] use = "filesystem"')
+    return sync
+
+
+def wait_for_version_0(sync, paths: RunPaths, timeout_s: float = VERSION_0_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not sync.is_ready(paths.broadcasts, 0):
+        if time.monotonic() > deadline:
+            raise I3Error(f"the trainer published no weights under {paths.broadcasts} in {timeout_s:.0f}s")
+        time.sleep(POLL_S)
+
+
+def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
+    """Become inference server ``index`` on ``host:port`` once version 0 exists (replaces this process)."""
+    spec = config.get("inference")
+    if spec is None:
+        raise I3Error("the inference role needs an [inference] section")
+    if host is not None:
+        spec.config = spec.config.model_copy(update={"host": host})
+    source = spec.build()
+    if not hasattr(source, "command"):
+        raise I3Error(f"inference {spec.name!r} does not start server processes; it has no inference role")
+    sync = _filesystem_sync(config)
+    paths = RunPaths(config.run.out)
+    log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
+    wait_for_version_0(sync, paths)
+    probe = getattr(source, "check", None)  # vllm: the interpreter imports vllm and i3core
+    if callable(probe):
+        probe()
+    cmd = source.command(index, port, sync.location(paths.broadcasts, 0), 0, None)
+    env = source.environment(index, 0, None) or dict(os.environ)
+    log.info("starting inference server", index=index, command=" ".join(cmd))
+    os.execvpe(cmd[0], cmd, env)
+
+
+def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
+    """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop."""
+    from i3core.orchestrator import ClientSlot, Orchestrator
+    from i3core.run import _plot, build
+
+    missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
+    if missing:
+        raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
+    if config.get("sandbox") is not None:
+        raise I3Error("the orchestrator role does not start sandboxes yet: run sandbox envs with `i3core run`")
+    _filesystem_sync(config)
+    run = build(config, plugins)
+    paths = RunPaths(run.output_dir)
+    paths.make()
+    status = "failed"
+    try:
+        plugins.hook.i3_on_run_start(config=config, output_dir=run.output_dir)
+        sync, source = run.components["weight_sync"], run.components["inference"]
+        log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
+        wait_for_version_0(sync, paths)
+        model, env = run.components["model"], run.components["env"]
+        tokenizer = model.tokenizer()
+        stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
+        clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
+        orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks)
+
+        async def drive():
+            try:
+                await orchestrator.run()
+            finally:
+                for slot in clients:
+                    await slot.client.close()
+
+        asyncio.run(drive())
+        status = "completed"
+        return 0
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        paths.stop().write_text("")
+        plugins.hook.i3_on_run_end(config=config, status=status)
+        run.close()
+        _plot(run.output_dir)
+        log.info("run ended", status=status, output_dir=str(run.output_dir))

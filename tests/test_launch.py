@@ -1,0 +1,120 @@
+"""``i3core launch --dry-run``: the Slurm and Kubernetes files of deploy/, rendered from a real plugins.toml."""
+
+import asyncio
+import json
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from i3core.cli import build_parser
+
+from .conftest import ROOT, run_cli
+
+QUICKSTART = str(ROOT / "examples" / "quickstart.toml")
+
+
+def commands() -> set[str]:
+    parser = build_parser()
+    return set(next(a for a in parser._actions if a.dest == "command").choices)
+
+
+def assert_only_existing_commands(text: str) -> set[str]:
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    called = set(re.findall(r"\bi3core,? ([a-z][\w-]*)(?![\w/])", code))  # `i3core X` and YAML's `[i3core, X`
+    assert called <= commands(), called - commands()
+    assert "{{" not in text and "}}" not in text
+    return called
+
+
+def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path):
+    result = run_cli("launch", "--dry-run", QUICKSTART, "--trainer-nodes", "2", "--inference-nodes", "3",
+                     "--gpus-per-node", "4", "--partition", "h200", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(result.stdout)
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    text = result.stdout
+    assert assert_only_existing_commands(text) == {"inference", "orchestrator"}
+    headers = re.findall(r"^#SBATCH (.*)$", text, re.M)
+    assert headers.count("hetjob") == 2 and headers.count("--partition=h200") == 2
+    assert "--nodes=2" in headers and "--nodes=3" in headers and "--gpus-per-node=4" in headers
+    assert "torchrun --nnodes=2 --nproc-per-node=4" in text and "-m i3core.trainer" in text
+    assert f'CONFIG="{QUICKSTART}"' in text and f"#SBATCH --chdir={tmp_path}" in text
+    assert 'i3core inference "$CONFIG" --index "$i" --port 8000 --host 0.0.0.0' in text
+    assert 'i3core orchestrator "$CONFIG" --servers "${SERVERS[@]}"' in text
+
+
+def test_k8s_manifests_render_parse_and_deserialise(tmp_path):
+    result = run_cli("launch", "--dry-run", QUICKSTART, "--target", "k8s", "--out", str(tmp_path / "k8s"),
+                     "--trainer-nodes", "2", "--gpus-per-node", "8", "--image", "reg/i3core:1")
+    assert result.returncode == 0, result.stderr
+    files = [tmp_path / "k8s" / f"{n}.yaml" for n in ("config", "trainer", "inference", "orchestrator")]
+    assert result.stdout.split() == [str(f) for f in files]
+    docs, called = [], set()
+    for path in files:
+        called |= assert_only_existing_commands(path.read_text())
+        docs += list(yaml.safe_load_all(path.read_text()))
+    assert called == {"inference", "orchestrator"}
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert kinds == {("ConfigMap", "quickstart-config"), ("PersistentVolumeClaim", "quickstart-runs"),
+                     ("Service", "quickstart-trainer"), ("Job", "quickstart-trainer"),
+                     ("Service", "quickstart-inference"), ("StatefulSet", "quickstart-inference"),
+                     ("Job", "quickstart-orchestrator")}
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    trainer = by_name[("Job", "quickstart-trainer")]["spec"]
+    assert trainer["completions"] == 2 and trainer["completionMode"] == "Indexed"
+    container = trainer["template"]["spec"]["containers"][0]
+    assert container["image"] == "reg/i3core:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert container["command"] == ["torchrun"] and container["args"][-3:] == ["-m", "i3core.trainer",
+                                                                               "/config/plugins.json"]
+    assert by_name[("StatefulSet", "quickstart-inference")]["spec"]["replicas"] == 2  # [inference] servers
+    orchestrator = by_name[("Job", "quickstart-orchestrator")]["spec"]["template"]["spec"]["containers"][0]
+    assert orchestrator["args"] == [f"http://quickstart-inference-{i}.quickstart-inference:8000" for i in range(2)]
+    assert "nvidia.com/gpu" not in json.dumps(orchestrator)
+
+    kubernetes = pytest.importorskip("kubernetes_asyncio.client")
+
+    class Response:  # what ApiClient.deserialize reads: the JSON body of an API answer
+        def __init__(self, doc):
+            self.data = json.dumps(doc)
+
+    async def deserialise():
+        async with kubernetes.ApiClient() as api:
+            return [api.deserialize(Response(d), f"V1{d['kind']}") for d in docs]
+
+    objects = asyncio.run(deserialise())
+    assert {type(o).__name__ for o in objects} == {"V1ConfigMap", "V1PersistentVolumeClaim", "V1Service", "V1Job",
+                                                   "V1StatefulSet"}
+    job = next(o for o in objects if type(o).__name__ == "V1Job" and o.metadata.name == "quickstart-trainer")
+    assert job.spec.template.spec.containers[0].volume_mounts[1].mount_path == "/runs"
+
+
+def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path):
+    result = run_cli("launch", "--dry-run", QUICKSTART, "--target", "k8s")
+    assert result.returncode == 0, result.stderr
+    config_map = next(d for d in yaml.safe_load_all(result.stdout) if d["kind"] == "ConfigMap")
+    resolved = json.loads(config_map["data"]["plugins.json"])
+    assert resolved["run"]["output_dir"] == "/runs/quickstart" and resolved["weight_sync"]["use"] == "filesystem"
+    path = tmp_path / "plugins.json"
+    path.write_text(config_map["data"]["plugins.json"])
+    check = run_cli("check", str(path))
+    assert check.returncode == 0, check.stderr
+
+
+def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path):
+    plain = run_cli("launch", QUICKSTART)
+    assert plain.returncode == 1 and plain.stderr.splitlines() == [
+        "error: i3core launch only renders for now: add --dry-run, then submit the files with sbatch or "
+        "kubectl apply -f"]
+    config = tmp_path / "p.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace(
+        'use = "filesystem"', 'use = "broadcast"').replace("keep = 3", ""))
+    broadcast = run_cli("launch", "--dry-run", str(config))
+    assert broadcast.returncode == 1 and broadcast.stderr.splitlines() == [
+        "error: cannot launch the roles separately: weight_sync 'broadcast' works only under `i3core run` "
+        '(use "filesystem")']
+    bad = run_cli("launch", "--dry-run", str(ROOT / "tests" / "bad_configs" / "unknown_keys.toml"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
