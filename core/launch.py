@@ -83,8 +83,6 @@ def _unlaunchable(config: RunConfig) -> list[str]:
     sync = config.get("weight_sync")
     if sync is not None and sync.name != "filesystem":
         problems.append(f'weight_sync {sync.name!r} works only under `i3core run` (use "filesystem")')
-    if config.get("sandbox") is not None:
-        problems.append("the orchestrator role does not start sandboxes yet")
     return problems
 
 

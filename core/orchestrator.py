@@ -39,6 +39,7 @@ from i3core.errors import I3Error, RolloutMasked, ServerError
 from i3core.events import end_step, group_kept
 from i3core.files import atomic_torch_save
 from i3core.packing import group_advantages, pack, sample_from_rollout
+from i3core.sandbox_pool import SandboxPool, check_env_has_sandboxes
 from i3core.trainer import RunPaths
 from i3core.types import Example, Group, Rollout
 
@@ -133,8 +134,8 @@ class Orchestrator:
     clients: list[ClientSlot]
     sinks: list
     progress: Any = None
-    sandboxes: Any = None
-    """The run's :class:`~i3core.sandbox_pool.SandboxPool` when ``[sandbox]`` is configured; its counts are logged."""
+    sandbox_backend: Any = None
+    """The ``[sandbox]`` component, if any: :meth:`run` keeps a pool of its sandboxes for the env's rollouts."""
     all_down_timeout_s: float = ALL_DOWN_TIMEOUT_S
     ledger: Ledger = field(default_factory=Ledger)
 
@@ -154,6 +155,8 @@ class Orchestrator:
         self._started = time.perf_counter()
         self._all_down_since: float | None = None
         self._examples = self._example_stream()
+        self.sandboxes = None
+        check_env_has_sandboxes(self.env, self.config.get("env").name, self.sandbox_backend)
 
     # -- the client pool -----------------------------------------------------
 
@@ -391,6 +394,17 @@ class Orchestrator:
     # -- main loop -----------------------------------------------------------------
 
     async def run(self) -> None:
+        """Run to ``max_steps``; the sandbox pool, when there is one, lives exactly as long as this call."""
+        if self.sandbox_backend is not None:
+            self.sandboxes = SandboxPool.for_backend(self.sandbox_backend)
+            try:
+                await self.sandboxes.start()
+            except BaseException:
+                await self.sandboxes.close()
+                raise
+            bind = getattr(self.env, "bind_sandboxes", None)
+            if bind is not None:
+                bind(self.sandboxes)
         watcher = asyncio.create_task(self._watch_trainer())
         watcher.add_done_callback(lambda _: self._wake.set())
         try:
@@ -416,6 +430,8 @@ class Orchestrator:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(watcher, *tasks, return_exceptions=True)
+            if self.sandboxes is not None:
+                await self.sandboxes.close()
 
     def _check_servers(self) -> None:
         for slot in self.clients:

@@ -15,8 +15,8 @@ meet in the run's ``output_dir`` on a filesystem every node mounts:
   metrics, and tells the servers to load each new version by its path.
 
 Only the ``filesystem`` weight sync works across machines this way (the
-``broadcast`` group is hosted by ``i3core run``), and the orchestrator role
-does not start sandboxes yet. The orchestrator cannot see the trainer process:
+``broadcast`` group is hosted by ``i3core run``). The orchestrator role keeps
+the ``[sandbox]`` pool like ``i3core run`` does. The orchestrator cannot see the trainer process:
 when the trainer dies, the orchestrator waits; the launcher (Slurm, Kubernetes)
 ends the job.
 """
@@ -86,8 +86,6 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
         raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
-    if config.get("sandbox") is not None:
-        raise I3Error("the orchestrator role does not start sandboxes yet: run sandbox envs with `i3core run`")
     _filesystem_sync(config)
     run = build(config, plugins)
     paths = RunPaths(run.output_dir)
@@ -102,7 +100,8 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
         tokenizer = model.tokenizer()
         stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
-        orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks)
+        orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
+                                    sandbox_backend=run.components.get("sandbox"))
 
         async def drive():
             try:

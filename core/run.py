@@ -130,12 +130,11 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
 def train(run: Run) -> None:
     """Start the trainer and the inference servers, run the orchestrator, stop everything."""
     from i3core.orchestrator import ClientSlot, Orchestrator
+    from i3core.sandbox_pool import check_env_has_sandboxes
 
     config = run.config
     env, sandbox = run.components["env"], run.components.get("sandbox")
-    if getattr(env, "requires_sandbox", False) and sandbox is None:
-        raise I3Error(f"env {config.get('env').name!r} runs code: add a [sandbox] section "
-                      '(use = "local", "docker" or "k8s")')
+    check_env_has_sandboxes(env, config.get("env").name, sandbox)  # before the trainer starts
     paths = RunPaths(run.output_dir)
     paths.make()
     for stale in [paths.stop(), *paths.trainer.glob("step_*.json"), *paths.batches.glob("step_*.pt")]:
@@ -162,8 +161,8 @@ def train(run: Run) -> None:
         urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs", **extra)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
-                                    run.sinks, progress=_progress(config.run.max_steps))
-        asyncio.run(_orchestrate(orchestrator, trainer, clients, sandbox))
+                                    run.sinks, progress=_progress(config.run.max_steps), sandbox_backend=sandbox)
+        asyncio.run(_orchestrate(orchestrator, trainer, clients))
     finally:
         paths.stop().write_text("")
         try:
@@ -188,42 +187,28 @@ def _wait_for_version_0(trainer: subprocess.Popen, sync, paths: RunPaths, out: P
         time.sleep(0.1)
 
 
-async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients, sandbox_backend=None) -> None:
-    """Run the orchestrator until its last step or the trainer's failure; the sandbox pool lives in this loop."""
-
+async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None:
     async def watch_trainer():
         while trainer.poll() is None:
             await asyncio.sleep(0.2)
         if trainer.returncode != 0:
             raise I3Error(f"the trainer exited with {trainer.returncode}; see logs/trainer.log")
 
-    tasks = []
+    main = asyncio.create_task(orchestrator.run())
+    guard = asyncio.create_task(watch_trainer())
     try:
-        if sandbox_backend is not None:
-            from i3core.sandbox_pool import SandboxPool
-
-            orchestrator.sandboxes = SandboxPool.for_backend(sandbox_backend)
-            await orchestrator.sandboxes.start()
-            bind = getattr(orchestrator.env, "bind_sandboxes", None)
-            if bind is not None:
-                bind(orchestrator.sandboxes)
-        main = asyncio.create_task(orchestrator.run())
-        guard = asyncio.create_task(watch_trainer())
-        tasks = [main, guard]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({main, guard}, return_when=asyncio.FIRST_COMPLETED)
         if guard in done and not main.done():
             guard.result()  # a trainer failure: raise it
             await main
         else:
             main.result()
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        guard.cancel()
+        main.cancel()
+        await asyncio.gather(main, guard, return_exceptions=True)
         for slot in clients:
             await slot.client.close()
-        if orchestrator.sandboxes is not None:
-            await orchestrator.sandboxes.close()
 
 
 def _progress(total: int):

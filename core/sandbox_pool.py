@@ -17,13 +17,19 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from i3core.errors import RolloutMasked, SandboxError
+from i3core.errors import I3Error, RolloutMasked, SandboxError
 from i3core.protocols import Sandbox, SandboxBackend
 
 log = structlog.get_logger("i3core.sandbox")
 
 SANDBOX_FAILED = "sandbox_failed"
 """The ledger's masked reason for a rollout whose sandbox failed."""
+
+
+def check_env_has_sandboxes(env, env_name: str, backend) -> None:
+    """Refuse an env that runs code (``requires_sandbox``) in a run without a ``[sandbox]`` backend."""
+    if getattr(env, "requires_sandbox", False) and backend is None:
+        raise I3Error(f"env {env_name!r} runs code: add a [sandbox] section (use = \"local\", \"docker\" or \"k8s\")")
 
 
 class SandboxPool:
