@@ -11,6 +11,7 @@ program against tests, in the sandbox). :class:`EnvGroup` mixes envs.
 
 from i3core import hookimpl
 from i3core.plugins.envs.arithmetic import Arithmetic
+from i3core.plugins.envs.group import EnvGroup
 from i3core.plugins.envs.base import EnvConfig, Environment, SingleTurnConfig, SingleTurnEnv, Trajectory
 from i3core.plugins.envs.multiturn import MultiTurnConfig, MultiTurnEnv
 from i3core.plugins.envs.reverse_text import ReverseText
@@ -24,7 +25,8 @@ def i3_register_envs(register):
     register("arithmetic", Arithmetic)
     register("reverse-text", ReverseText)
     register("tool-calc", ToolCalc)
+    register("group", EnvGroup)
 
 
-__all__ = ["EnvConfig", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric", "SingleTurnConfig",
+__all__ = ["EnvConfig", "EnvGroup", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric", "SingleTurnConfig",
            "SingleTurnEnv", "StatefulToolEnv", "ToolConfig", "ToolEnv", "Trajectory", "tool_schema"]

@@ -165,8 +165,8 @@ class ToolEnv(MultiTurnEnv):
             return f"Error: {name} takes no argument {', '.join(extra)}"
         try:
             args = _validated(func, self.update_tool_args(name, args, messages, state))
-        except (pydantic.ValidationError, TypeError) as exc:
-            return f"Error: bad arguments for {name}: {_short(exc)}"
+        except TypeError as exc:
+            return f"Error: bad arguments for {name}: {exc}"
         try:
             result = func(**args)
             if inspect.isawaitable(result):
@@ -184,14 +184,15 @@ def _validated(func: Callable, args: dict) -> dict:
     signature = inspect.signature(func)
     bound = signature.bind(**args)  # TypeError on a missing argument
     hints = typing.get_type_hints(func)
-    return {name: pydantic.TypeAdapter(hints.get(name, typing.Any)).validate_python(value)
-            for name, value in bound.arguments.items()}
-
-
-def _short(exc: Exception) -> str:
-    if isinstance(exc, pydantic.ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
-    return str(exc)
+    checked, problems = {}, []
+    for name, value in bound.arguments.items():
+        try:
+            checked[name] = pydantic.TypeAdapter(hints.get(name, typing.Any)).validate_python(value)
+        except pydantic.ValidationError as exc:
+            problems += [f"{name}: {e['msg']}" for e in exc.errors()]
+    if problems:
+        raise TypeError("; ".join(problems))
+    return checked
 
 
 class StatefulToolEnv(ToolEnv):
