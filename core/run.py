@@ -248,7 +248,8 @@ def _progress(total: int):
 
 
 def _plot(out: Path) -> None:
-    """``plot.png``: reward and loss per step, from metrics.jsonl."""
+    """``plot.png``: reward and loss per step, from metrics.jsonl; with an env group, each member's
+    reward and mixing weight too."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return
@@ -260,12 +261,20 @@ def _plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    tasks = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("env/") and k.endswith("/mix_weight")})
+    panels = [("reward/mean", ["reward/mean"]), ("loss", ["loss"])]
+    if tasks:
+        panels += [("reward per env", [f"env/{t}/reward/mean" for t in tasks]),
+                   ("mixing weight per env", [f"env/{t}/mix_weight" for t in tasks])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
     steps = [r["step"] for r in rows]
-    for ax, key in zip(axes, ("reward/mean", "loss")):
-        ax.plot(steps, [r.get(key) for r in rows], marker=".")
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            ax.plot(steps, [r.get(key) for r in rows], marker=".", label=key.split("/")[1] if len(keys) > 1 else None)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
         ax.set_xlabel("step")
-        ax.set_title(key)
+        ax.set_title(title)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "plot.png", dpi=100)
