@@ -96,3 +96,67 @@ def local_server(plugins, model_name: str, model_dir: Path | None, max_len: int,
             yield source, url
         finally:
             source.close()
+
+
+
+def build_env(target: str, options: list[str], model_name: str):
+    """The env (a registered name with ``key=value`` options, or a plugins.toml's ``[env]``), the model
+    component whose tokenizer it is evaluated with, and the env's name."""
+    from i3core.config import apply_overrides, load_config, validate_component
+    from i3core.errors import ConfigError, Problem
+    from i3core.manager import load_plugins
+    from i3core.testing import make_component
+
+    overrides = [f"env.{o}" for o in options]
+    if target.endswith(".toml"):
+        config, plugins = load_config(target, overrides)
+        spec = config.get("env")
+        if spec is None:
+            raise ConfigError([Problem("env", f"{target} has no [env] section")])
+        model_spec = config.get("model")
+        model = model_spec.build() if model_spec is not None else make_component("model", model_name, plugins=plugins)
+        return spec.build(), model, plugins, spec.name
+    plugins = load_plugins()
+    problems: list[Problem] = []
+    values = apply_overrides({"env": {}}, overrides)["env"]
+    spec = validate_component("env", {"use": target, **values}, plugins, problems)
+    if spec is None:
+        raise ConfigError(problems)
+    return spec.build(), make_component("model", model_name, plugins=plugins), plugins, target
+
+
+def run_eval(args) -> tuple[EvalResult, str]:
+    """What ``i3core env eval`` does with its parsed arguments: (the result, the env's name)."""
+    from i3core.testing import make_component
+
+    env, model, plugins, name = build_env(args.env, args.options, args.model)
+    if getattr(env, "requires_sandbox", False) and args.sandbox is None:
+        raise I3Error(f"env {name!r} runs code: pass --sandbox (e.g. --sandbox local)")
+    tokenizer = model.tokenizer()
+    stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
+    sandbox = None if args.sandbox is None else make_component("sandbox", args.sandbox, plugins=plugins)
+    with contextlib.ExitStack() as stack:
+        if args.server is None:
+            source, url = stack.enter_context(local_server(plugins, args.model, args.model_dir, args.max_len, args.seed))
+        else:
+            source, url = make_component("rollout_source", "builtin", plugins=plugins), args.server
+        client = source.client(url, tokenizer, stop_ids)
+        result = asyncio.run(_evaluate_with(env, client, sandbox, args))
+    return result, name
+
+
+async def _evaluate_with(env, client, sandbox, args) -> EvalResult:
+    pool = None
+    try:
+        if sandbox is not None:
+            from i3core.sandbox_pool import SandboxPool
+
+            pool = SandboxPool.for_backend(sandbox)
+            await pool.start()
+            env.bind_sandboxes(pool)
+        return await evaluate(env, client, n=args.n, rollouts_per_example=args.rollouts_per_example,
+                              concurrency=args.concurrency)
+    finally:
+        await client.close()
+        if pool is not None:
+            await pool.close()

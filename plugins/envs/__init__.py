@@ -11,7 +11,9 @@ program against tests, in the sandbox). :class:`EnvGroup` mixes envs.
 
 from i3core import hookimpl
 from i3core.plugins.envs.arithmetic import Arithmetic
+from i3core.plugins.envs.code import CodeEnv
 from i3core.plugins.envs.group import EnvGroup
+from i3core.plugins.envs.sandbox import SandboxConfig, SandboxEnv
 from i3core.plugins.envs.base import EnvConfig, Environment, SingleTurnConfig, SingleTurnEnv, Trajectory
 from i3core.plugins.envs.multiturn import MultiTurnConfig, MultiTurnEnv
 from i3core.plugins.envs.reverse_text import ReverseText
@@ -26,7 +28,8 @@ def i3_register_envs(register):
     register("reverse-text", ReverseText)
     register("tool-calc", ToolCalc)
     register("group", EnvGroup)
+    register("code", CodeEnv)
 
 
-__all__ = ["EnvConfig", "EnvGroup", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric", "SingleTurnConfig",
+__all__ = ["CodeEnv", "EnvConfig", "EnvGroup", "SandboxConfig", "SandboxEnv", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric", "SingleTurnConfig",
            "SingleTurnEnv", "StatefulToolEnv", "ToolConfig", "ToolEnv", "Trajectory", "tool_schema"]
