@@ -224,7 +224,12 @@ class Trainer:
         cfg = self.config.sft
         env = self.config.get("env").build()
         tokenizer = self.model_component.tokenizer()
-        demonstrations = [(e, d) for e in env.examples() if (d := env.demonstration(e)) is not None]
+        sft_ids = getattr(env, "sft_ids", None)
+        if sft_ids is None:  # an env with only demonstration(): its text prompt and demonstration, encoded
+            def sft_ids(example, tokenizer):
+                text = env.demonstration(example)
+                return None if text is None else (tokenizer.encode(example.prompt).ids, tokenizer.encode(text).ids)
+        demonstrations = [pair for e in env.examples() if (pair := sft_ids(e, tokenizer)) is not None]
         if not demonstrations:
             raise I3Error(f"sft.steps = {cfg.steps} but env {self.config.get('env').name!r} has no demonstrations; "
                           "set sft.steps = 0")
@@ -232,9 +237,7 @@ class Trainer:
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         for step in range(1, cfg.steps + 1):
             samples = []
-            for example, demonstration in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
-                prompt = tokenizer.encode(example.prompt).ids
-                answer = tokenizer.encode(demonstration).ids
+            for prompt, answer in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
                 n = len(prompt) + len(answer)
                 samples.append(Sample(prompt + answer, [False] * len(prompt) + [True] * len(answer), [0.0] * n,
                                       [-1] * n, 0.0))

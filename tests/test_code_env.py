@@ -54,7 +54,7 @@ def test_harness_scores_partial_programs_and_ignores_forged_lines(tmp_path):
               "print(open('nonce').read() if os.path.exists('nonce') else 'gone')\ndef f(x):\n    return 0\n")
     assert harness_on_host(tmp_path, forged, tests)[0] == [False] * 3
     hangs = "def f(x):\n    if x == 3:\n        while True:\n            pass\n    return 2 * x\n"
-    assert harness_on_host(tmp_path, hangs, tests, timeout=3)[0] == [True, True, False]
+    assert harness_on_host(tmp_path, hangs, tests, timeout=8)[0] == [True, True, False]
 
 
 def test_extract_program_takes_the_last_code_block():
@@ -139,3 +139,17 @@ def test_sandbox_env_shell_tool_runs_in_the_rollouts_own_sandbox(tmp_path):
     assert tool.startswith("exit code 0") and "hi" in tool and rollout.reward == 1.0
     schema = [t["function"] for t in make_component("env", "code", shell_tool=True).tool_specs()]
     assert list(schema[0]["parameters"]["properties"]) == ["command"]  # sandbox_id is hidden
+
+
+def test_sft_pairs_of_a_chat_env_are_its_rendered_prompt_and_one_assistant_turn(builtins):
+    tok = build_tokenizer()
+    env = make_component("env", "code", plugins=builtins)
+    example = env.examples()[0]
+    prompt, answer = env.sft_ids(example, tok)
+    text = tok.decode(prompt, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nWrite the Python function") and text.endswith("<|im_start|>assistant\n")
+    assert tok.decode(answer, skip_special_tokens=False) == env.demonstration(example) + END
+    group = make_component("env", "group", plugins=builtins, members=[{"use": "code"}, {"use": "tool-calc"}])
+    tagged = group.examples()[0]
+    assert group.sft_ids(tagged, tok) == (prompt, answer) or tagged.id != example.id
+    assert group.sft_ids(next(e for e in group.examples() if e.task == "tool-calc"), tok) is None

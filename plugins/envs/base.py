@@ -127,6 +127,13 @@ class Environment(ABC):
         """The reference completion of ``example`` for the SFT warm start, or None (no SFT on this env)."""
         return None
 
+    def sft_ids(self, example: Example, tokenizer) -> tuple[list[int], list[int]] | None:
+        """(prompt ids, completion ids) of ``example``'s demonstration for the SFT warm start, or None."""
+        demonstration = self.demonstration(example)
+        if demonstration is None:
+            return None
+        return tokenizer.encode(example.prompt).ids, tokenizer.encode(demonstration).ids
+
     # -- one rollout -----------------------------------------------------------
 
     def init_state(self, example: Example) -> dict:

@@ -120,6 +120,15 @@ class EnvGroup:
     def demonstration(self, example: Example) -> str | None:
         return self.member(example).demonstration(example)
 
+    def sft_ids(self, example: Example, tokenizer) -> tuple[list[int], list[int]] | None:
+        member = self.member(example)
+        sft_ids = getattr(member, "sft_ids", None)
+        if sft_ids is not None:
+            return sft_ids(example, tokenizer)
+        demonstration = member.demonstration(example)
+        return None if demonstration is None else (tokenizer.encode(example.prompt).ids,
+                                                   tokenizer.encode(demonstration).ids)
+
     def bind_sandboxes(self, pool) -> None:
         for env in self.members.values():
             bind = getattr(env, "bind_sandboxes", None)

@@ -28,7 +28,7 @@ import asyncio
 from pydantic import Field, model_validator
 
 from i3core.plugins.envs.base import EnvConfig, Environment, Trajectory
-from i3core.plugins.envs.chat import ChatRenderer, renderer_for
+from i3core.plugins.envs.chat import ChatRenderer, encode, renderer_for
 from i3core.protocols import InferenceClient
 
 STOP_REASONS = ("completed", "max_turns", "truncated", "length", "timeout", "env_timeout")
@@ -82,6 +82,15 @@ class MultiTurnEnv(Environment):
     def renderer(self, client: InferenceClient) -> ChatRenderer:
         """How messages become tokens, from the client's tokenizer (a chat template if it has one)."""
         return renderer_for(client.tokenizer)
+
+    def sft_ids(self, example, tokenizer) -> tuple[list[int], list[int]] | None:
+        """The rendered prompt and the demonstration as one assistant turn, ended by its stop token."""
+        demonstration = self.demonstration(example)
+        if demonstration is None:
+            return None
+        renderer = renderer_for(tokenizer)
+        prompt = renderer.prompt_ids(self.init_state(example)["prompt"], self.tool_specs())
+        return prompt, encode(tokenizer, demonstration) + renderer.stop_ids[:1]
 
     # -- the loop ----------------------------------------------------------------
 
