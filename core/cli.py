@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     new.set_defaults(func=cmd_new_plugin)
 
     env = commands.add_parser("env", help="environment tools (eval)", description="Work with environments.")
-    env_commands = env.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND")
+    env_commands = env.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND",
+                                      help="what to do with an environment")
     evaluate = env_commands.add_parser(
         "eval", help="run an env against an inference server and print its rewards",
         description="Roll out the first N rows of an env through an inference server and print each "
