@@ -137,7 +137,8 @@ def run_eval(args) -> tuple[EvalResult, str]:
     sandbox = None if args.sandbox is None else make_component("sandbox", args.sandbox, plugins=plugins)
     with contextlib.ExitStack() as stack:
         if args.server is None:
-            source, url = stack.enter_context(local_server(plugins, args.model, args.model_dir, args.max_len, args.seed))
+            server = local_server(plugins, args.model, args.model_dir, args.max_len, args.seed)
+            source, url = stack.enter_context(server)
         else:
             source, url = make_component("rollout_source", "builtin", plugins=plugins), args.server
         client = source.client(url, tokenizer, stop_ids)

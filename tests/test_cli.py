@@ -120,5 +120,6 @@ def test_new_plugin_env_kind_writes_an_env_package(tmp_path):
     root = tmp_path / "i3-plugin-word-game"
     source = (root / "i3_plugin_word_game" / "__init__.py").read_text()
     assert "class WordGameEnv(ToolEnv)" in source and 'register("word-game", WordGameEnv)' in source
-    assert "i3_register_envs" in source and "ScriptedClient" in (root / "tests" / "test_i3_plugin_word_game.py").read_text()
+    assert "i3_register_envs" in source
+    assert "ScriptedClient" in (root / "tests" / "test_i3_plugin_word_game.py").read_text()
     assert run_cli("new-plugin", "x", "--kind", "optimizer", "--dir", str(tmp_path)).returncode == 2

@@ -14,6 +14,7 @@ from i3core.plugins.envs.code_problems import PROBLEMS
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.sandbox_pool import SandboxPool
 from i3core.testing import ScriptedClient, make_component, plugin_manager
+from tests.sandbox_backends import backend_for
 
 END = "<|im_end|>"
 LOCAL = plugin_manager().registry.get("sandbox", "local") is not None
@@ -77,8 +78,6 @@ def test_code_env_needs_a_sandbox(builtins):
 
 def code_rollouts(tmp_path, replies_for, **options):
     """One rollout per (example, reply) through a pool of local sandboxes; the rollouts and the pool's stats."""
-    from tests.sandbox_backends import backend_for
-
     async def go():
         pool = SandboxPool(backend_for("local", tmp_path), max_concurrent=4)
         await pool.start()
@@ -123,12 +122,13 @@ def test_sandbox_env_shell_tool_runs_in_the_rollouts_own_sandbox(tmp_path):
         return f"<tool_call>{json.dumps(call)}</tool_call>{END}"
 
     async def go():
-        pool = SandboxPool(__import__("tests.sandbox_backends", fromlist=["x"]).backend_for("local", tmp_path))
+        pool = SandboxPool(backend_for("local", tmp_path))
         await pool.start()
         env = make_component("env", "code", shell_tool=True, max_turns=2, max_tokens=300, max_total_tokens=900)
         env.bind_sandboxes(pool)
         example = env.examples()[0]
-        client = ScriptedClient(build_tokenizer(), [shell_then_answer(example), f"```python\n{example.info['solution']}```{END}"])
+        replies = [shell_then_answer(example), f"```python\n{example.info['solution']}```{END}"]
+        client = ScriptedClient(build_tokenizer(), replies)
         try:
             return await env.rollout(client, example)
         finally:

@@ -39,7 +39,8 @@ def test_group_routes_rollouts_and_scoring_to_the_member():
     calc = next(e for e in env.examples() if e.task == "calc")
     reverse = asyncio.run(env.rollout(ScriptedClient(tok, [text.answer + "\n"]), text))
     solved = asyncio.run(env.rollout(ScriptedClient(tok, [f"Answer: {calc.answer}{END}"]), calc))
-    assert reverse.reward == 1.0 and reverse.example.task == "reverse-text" and reverse.state["completion"] == text.answer + "\n"
+    assert reverse.reward == 1.0 and reverse.example.task == "reverse-text"
+    assert reverse.state["completion"] == text.answer + "\n"
     assert solved.reward == 1.0 and solved.example.task == "calc" and "used_calculator" in solved.metrics
 
 

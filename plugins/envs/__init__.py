@@ -11,13 +11,13 @@ program against tests, in the sandbox). :class:`EnvGroup` mixes envs.
 
 from i3core import hookimpl
 from i3core.plugins.envs.arithmetic import Arithmetic
+from i3core.plugins.envs.base import EnvConfig, Environment, SingleTurnConfig, SingleTurnEnv, Trajectory
 from i3core.plugins.envs.code import CodeEnv
 from i3core.plugins.envs.group import EnvGroup
-from i3core.plugins.envs.sandbox import SandboxConfig, SandboxEnv
-from i3core.plugins.envs.base import EnvConfig, Environment, SingleTurnConfig, SingleTurnEnv, Trajectory
 from i3core.plugins.envs.multiturn import MultiTurnConfig, MultiTurnEnv
 from i3core.plugins.envs.reverse_text import ReverseText
 from i3core.plugins.envs.rubric import Rubric
+from i3core.plugins.envs.sandbox import SandboxConfig, SandboxEnv
 from i3core.plugins.envs.tool_calc import ToolCalc
 from i3core.plugins.envs.tools import StatefulToolEnv, ToolConfig, ToolEnv, tool_schema
 
@@ -31,5 +31,6 @@ def i3_register_envs(register):
     register("code", CodeEnv)
 
 
-__all__ = ["CodeEnv", "EnvConfig", "EnvGroup", "SandboxConfig", "SandboxEnv", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric", "SingleTurnConfig",
-           "SingleTurnEnv", "StatefulToolEnv", "ToolConfig", "ToolEnv", "Trajectory", "tool_schema"]
+__all__ = ["CodeEnv", "EnvConfig", "EnvGroup", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric",
+           "SandboxConfig", "SandboxEnv", "SingleTurnConfig", "SingleTurnEnv", "StatefulToolEnv", "ToolConfig", "ToolEnv",
+           "Trajectory", "tool_schema"]

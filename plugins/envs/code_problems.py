@@ -184,8 +184,8 @@ PROBLEMS: tuple[Problem, ...] = (
        "def dedupe_string(s):\n    return ''.join(c for i, c in enumerate(s) if i == 0 or s[i - 1] != c)",
        "dedupe_string('aabbbc') == 'abc'", "dedupe_string('') == ''", "dedupe_string('abab') == 'abab'"),
     _p("run_length(s)", "Return the run-length encoding of s, e.g. 'aaab' -> 'a3b1'.",
-       "def run_length(s):\n    out, i = '', 0\n    while i < len(s):\n        j = i\n        while j < len(s) and s[j] == s[i]:\n"
-       "            j += 1\n        out += s[i] + str(j - i)\n        i = j\n    return out",
+       "def run_length(s):\n    out, i = '', 0\n    while i < len(s):\n        j = i\n"
+       "        while j < len(s) and s[j] == s[i]:\n            j += 1\n        out += s[i] + str(j - i)\n        i = j\n    return out",
        "run_length('aaab') == 'a3b1'", "run_length('') == ''", "run_length('abc') == 'a1b1c1'"),
     _p("pairs_sum(xs, target)", "Return how many pairs i < j have xs[i] + xs[j] == target.",
        "def pairs_sum(xs, target):\n    return sum(1 for i in range(len(xs)) for j in range(i + 1, len(xs))"
