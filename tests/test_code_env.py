@@ -21,7 +21,7 @@ LOCAL = plugin_manager().registry.get("sandbox", "local") is not None
 needs_local = pytest.mark.skipif(not LOCAL, reason="the local sandbox backend is not installed on this branch")
 
 
-def harness_on_host(tmp_path, program: str, tests: list[str], timeout: float = 10) -> tuple[list[bool], str | None]:
+def harness_on_host(tmp_path, program: str, tests: list[str], timeout: float = 60) -> tuple[list[bool], str | None]:
     """The harness run by this machine's python on a trusted program (the dataset's own checks)."""
     (tmp_path / "solution.py").write_text(program)
     (tmp_path / "tests.json").write_text(json.dumps(tests))
