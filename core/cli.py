@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--model-dir", type=Path, default=None, help="HF weights for the server started here")
     evaluate.add_argument("--max-len", type=int, default=512, help="max_len of the server started here")
     evaluate.add_argument("--sandbox", default=None, help="sandbox backend for envs that run code (e.g. local)")
-    evaluate.add_argument("--seed", type=int, default=0, help="seed of freshly initialised weights")
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of freshly initialised weights and of the "
+                          "order an env group draws its members in")
     evaluate.add_argument("--show", type=int, default=5, help="rollouts printed in full (their completion)")
     evaluate.add_argument("--json", action="store_true", help="print the summary as JSON")
     evaluate.set_defaults(func=cmd_env_eval)

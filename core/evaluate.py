@@ -10,6 +10,8 @@ weights. No trainer, no weight updates.
 
 import asyncio
 import contextlib
+import itertools
+import random
 import statistics
 import tempfile
 import time
@@ -46,9 +48,13 @@ class EvalResult:
         return out
 
 
-async def evaluate(env, client, *, n: int, rollouts_per_example: int = 1, concurrency: int = 8) -> EvalResult:
-    """Roll out the first ``n`` rows ``rollouts_per_example`` times each; score groups as a run does."""
-    examples = env.examples()[:n]
+async def evaluate(env, client, *, n: int, rollouts_per_example: int = 1, concurrency: int = 8,
+                   seed: int = 0) -> EvalResult:
+    """Roll out ``n`` rows ``rollouts_per_example`` times each and score groups as a run does. The rows are
+    the first ``n`` of the dataset, or, for an env that orders its own prompts (an env group mixing its
+    members), the first ``n`` it draws from a ``seed``-ed stream."""
+    stream = getattr(env, "example_stream", None)
+    examples = env.examples()[:n] if stream is None else list(itertools.islice(stream(random.Random(seed)), n))
     if not examples:
         raise I3Error("the env's dataset is empty")
     gate = asyncio.Semaphore(concurrency)
@@ -156,7 +162,7 @@ async def _evaluate_with(env, client, sandbox, args) -> EvalResult:
             await pool.start()
             env.bind_sandboxes(pool)
         return await evaluate(env, client, n=args.n, rollouts_per_example=args.rollouts_per_example,
-                              concurrency=args.concurrency)
+                              concurrency=args.concurrency, seed=args.seed)
     finally:
         await client.close()
         if pool is not None:

@@ -98,9 +98,10 @@ def test_env_eval_runs_rollouts_against_a_server_and_reports_rewards():
     summary = json.loads(result.stdout)
     assert summary["env"] == "reverse-text" and summary["rollouts"] == 8 and summary["failed"] == 0
     assert 0.0 <= summary["reward/min"] <= summary["reward/mean"] <= summary["reward/max"] <= 1.0
-    table = run_cli("env", "eval", str(ROOT / "examples" / "env_group.toml"), "--n", "3", "--max-len", "320")
+    table = run_cli("env", "eval", str(ROOT / "examples" / "env_group.toml"), "--n", "8", "--max-len", "320")
     assert table.returncode == 0, table.stderr
-    assert "reward/mean" in table.stdout and "reverse-text" in table.stdout
+    assert "reward/mean" in table.stdout
+    assert "env/reverse-text/reward" in table.stdout and "env/calc/reward" in table.stdout  # both members drawn
 
 
 def test_env_eval_bad_input_is_one_line_errors():
