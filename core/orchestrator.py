@@ -17,10 +17,11 @@ protocol, each optional: ``example_stream(rng)`` (the order prompts are drawn
 in; default: the dataset, reshuffled every epoch), ``async score_group(rollouts)``
 (group-level scoring once a group's last rollout is back, e.g. an env group's
 mixing statistics or relative rewards), ``metrics()`` (added to every step's
-metrics). A watcher follows the trainer's
-published versions, tells every live server to load them (in flight:
-running sequences continue under the new version) and writes each step's
-metrics.
+metrics).
+
+A watcher follows the trainer's published versions, tells every live server
+to load them (in flight: running sequences continue under the new version)
+and writes each step's metrics.
 
 Client pool: a server that errors or times out is marked down; every rollout
 running on it is cancelled and re-queued on the others (a rollout is trained
@@ -290,10 +291,10 @@ class Orchestrator:
         for task in [t for t in self._scoring if t.done()]:
             group = self._scoring.pop(task)
             self._open.discard(group)
-            error = None if task.cancelled() else task.exception()
+            error = asyncio.CancelledError("group scoring was cancelled") if task.cancelled() else task.exception()
             if error is None:
                 self._close_group(Group(group.example, group.rollouts))
-            elif isinstance(error, Exception):  # group scoring failed: its rollouts are counted, the run goes on
+            elif isinstance(error, Exception | asyncio.CancelledError):  # counted as failed, the run goes on
                 self.ledger.failed += len(group.rollouts)
                 log.warning("group scoring failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
             else:

@@ -152,3 +152,42 @@ def test_batch_metrics_are_split_per_task_and_exclude_env_token_versions():
     assert metrics["metrics/turns"] == pytest.approx(5 / 3)
     assert metrics["off_policy/max_steps"] == 1  # version -1 of the env token is no policy version
     assert metrics["off_policy/tokens_at_0"] == 4 and metrics["off_policy/tokens_at_1"] == 1
+
+
+def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(tmp_path, builtins):
+    from types import SimpleNamespace
+
+    from i3core.orchestrator import OpenGroup, Orchestrator
+
+    def rank(completions):
+        return [float(len(c)) for c in completions]
+
+    async def broken_scoring(rollouts):
+        raise RuntimeError("the group scorer is down")
+
+    env = make_component("env", "group", plugins=builtins, members=[{"use": "arithmetic"}])
+    env.members["arithmetic"].rubric.add_group_reward_func(rank)
+    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0))
+    orchestrator = Orchestrator(config, builtins, env, None, None, [], [])
+    example = env.examples()[0]
+    tok = build_tokenizer()
+
+    async def scored_group(failing: bool):
+        rollouts = [await env.rollout(ScriptedClient(tok, [reply]), example) for reply in ("1\n", "22\n")]
+        if failing:
+            env.members["arithmetic"].score_group = broken_scoring
+        group = OpenGroup(example, slot=None, outstanding=0, rollouts=rollouts)
+        orchestrator._open.add(group)
+        orchestrator._score_group(group)
+        assert orchestrator._in_flight() == 2  # scoring: still in flight
+        await asyncio.gather(*orchestrator._scoring, return_exceptions=True)
+        orchestrator._collect()
+        return rollouts
+
+    rollouts = asyncio.run(scored_group(failing=False))
+    assert [r.metrics["rank"] for r in rollouts] == [2.0, 3.0]  # the group function saw both completions
+    assert orchestrator._ready and orchestrator._ready[0].rollouts == rollouts and not orchestrator._open
+    assert env.nonzero_share("arithmetic") == 1.0
+    orchestrator._ready.clear()
+    asyncio.run(scored_group(failing=True))
+    assert orchestrator.ledger.failed == 2 and not orchestrator._ready and orchestrator._in_flight() == 0
