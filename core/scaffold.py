@@ -128,14 +128,17 @@ pytest                              # hook-level tests with a scripted client, n
 i3core env eval $name --n 20        # rollouts against a server (a fresh tiny model by default)
 ```
 
-Train on it, alone or with other envs:
+Train on it alone:
 
 ```toml
 [env]
 use = "$name"
 max_turns = 3
+```
 
-# or in a group
+or with other envs:
+
+```toml
 [env]
 use = "group"
 [[env.members]]

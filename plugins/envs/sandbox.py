@@ -53,6 +53,7 @@ class SandboxEnv(StatefulToolEnv):
         state["sandbox"], state["sandbox_id"] = sandbox, sandbox.id
         self._sandboxes[sandbox.id] = sandbox
         state["stack"].callback(self._sandboxes.pop, sandbox.id, None)
+        state["stack"].callback(state.pop, "sandbox", None)  # the rollout's state outlives its lease
 
     async def shell(self, command: str, sandbox_id: str) -> str:
         """Run a shell command in your sandbox; returns its exit code, stdout and stderr.
