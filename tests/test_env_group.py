@@ -191,3 +191,22 @@ def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(
     orchestrator._ready.clear()
     asyncio.run(scored_group(failing=True))
     assert orchestrator.ledger.failed == 2 and not orchestrator._ready and orchestrator._in_flight() == 0
+
+
+def test_a_run_refuses_rollouts_longer_than_the_servers_or_the_trainer_hold(builtins):
+    from i3core.config import validate
+    from i3core.errors import I3Error
+    from i3core.run import _check_rollout_length
+
+    def check(env_options, max_len, seq_len):
+        config = validate({"env": env_options, "inference": {"use": "builtin", "max_len": max_len},
+                           "trainer": {"seq_len": seq_len}}, builtins)
+        _check_rollout_length(config.get("env").build(), config, config.get("inference").build())
+
+    group = {"use": "group", "members": [{"use": "reverse-text"}, {"use": "tool-calc", "max_total_tokens": 400}]}
+    check(group, 400, 512)
+    with pytest.raises(I3Error, match="max_len is 320"):
+        check(group, 320, 512)
+    with pytest.raises(I3Error, match="trainer.seq_len is 256"):
+        check({"use": "tool-calc", "max_total_tokens": 300}, 512, 256)
+    check({"use": "reverse-text"}, 64, 64)  # unbounded single-turn envs are not checked

@@ -127,6 +127,11 @@ class Environment(ABC):
         """The reference completion of ``example`` for the SFT warm start, or None (no SFT on this env)."""
         return None
 
+    def max_rollout_tokens(self) -> int | None:
+        """The most tokens (prompt included) one rollout can hold, when the env bounds it; the run checks
+        it against the servers' ``max_len`` and ``trainer.seq_len`` before starting."""
+        return None
+
     def sft_ids(self, example: Example, tokenizer) -> tuple[list[int], list[int]] | None:
         """(prompt ids, completion ids) of ``example``'s demonstration for the SFT warm start, or None."""
         demonstration = self.demonstration(example)

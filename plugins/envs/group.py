@@ -129,6 +129,10 @@ class EnvGroup:
         return None if demonstration is None else (tokenizer.encode(example.prompt).ids,
                                                    tokenizer.encode(demonstration).ids)
 
+    def max_rollout_tokens(self) -> int | None:
+        bounds = [getattr(env, "max_rollout_tokens", lambda: None)() for env in self.members.values()]
+        return max((b for b in bounds if b is not None), default=None)
+
     def bind_sandboxes(self, pool) -> None:
         for env in self.members.values():
             bind = getattr(env, "bind_sandboxes", None)

@@ -83,6 +83,9 @@ class MultiTurnEnv(Environment):
         """How messages become tokens, from the client's tokenizer (a chat template if it has one)."""
         return renderer_for(client.tokenizer)
 
+    def max_rollout_tokens(self) -> int:
+        return self.config.max_total_tokens
+
     def sft_ids(self, example, tokenizer) -> tuple[list[int], list[int]] | None:
         """The rendered prompt and the demonstration as one assistant turn, ended by its stop token."""
         demonstration = self.demonstration(example)
