@@ -155,10 +155,39 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=cmd_launch)
 
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
-                              description="Write i3-plugin-NAME/ with an entry point, one loss and one test.")
+                              description="Write i3-plugin-NAME/ with an entry point, one component "
+                              "(a loss or an environment) and its tests.")
     new.add_argument("name", help="plugin name, lowercase with dashes (e.g. my-loss)")
+    new.add_argument("--kind", choices=("loss", "env"), default="loss", help="what the plugin provides")
     new.add_argument("--dir", type=Path, default=Path("."), help="folder to create the package in")
     new.set_defaults(func=cmd_new_plugin)
+
+    env = commands.add_parser("env", help="environment tools (eval)", description="Work with environments.")
+    env_commands = env.add_subparsers(dest="env_command", required=True, metavar="ENV_COMMAND",
+                                      help="what to do with an environment")
+    evaluate = env_commands.add_parser(
+        "eval", help="run an env against an inference server and print its rewards",
+        description="Roll out the first N rows of an env through an inference server and print each "
+                    "rollout's reward and the means: the smoke test of an env. Without --server, a builtin "
+                    "server is started on --model-dir (default: freshly initialised weights).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    evaluate.add_argument("env", help="a registered env name, or a plugins.toml whose [env] (and [model]) to use")
+    evaluate.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                          help="an env option (TOML value, e.g. --set max_turns=3); repeatable")
+    evaluate.add_argument("--n", type=int, default=20, help="dataset rows to roll out (the first N)")
+    evaluate.add_argument("--rollouts-per-example", type=int, default=1, help="rollouts of each row (a group)")
+    evaluate.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
+    evaluate.add_argument("--server", default=None, help="base URL of a running server (builtin or vLLM)")
+    evaluate.add_argument("--model", default="tiny-moe", help="model component: its tokenizer, and its weights "
+                          "when a server is started here")
+    evaluate.add_argument("--model-dir", type=Path, default=None, help="HF weights for the server started here")
+    evaluate.add_argument("--max-len", type=int, default=512, help="max_len of the server started here")
+    evaluate.add_argument("--sandbox", default=None, help="sandbox backend for envs that run code (e.g. local)")
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of freshly initialised weights and of the "
+                          "order an env group draws its members in")
+    evaluate.add_argument("--show", type=int, default=5, help="rollouts printed in full (their completion)")
+    evaluate.add_argument("--json", action="store_true", help="print the summary as JSON")
+    evaluate.set_defaults(func=cmd_env_eval)
     return parser
 
 
@@ -309,9 +338,43 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_new_plugin(args: argparse.Namespace) -> int:
     from i3core.scaffold import new_plugin
 
-    root = new_plugin(args.name, args.dir)
+    root = new_plugin(args.name, args.dir, kind=args.kind)
     print(f"created {root}: pip install -e '{root}[test]' && pytest {root}")
     return 0
+
+
+def cmd_env_eval(args: argparse.Namespace) -> int:
+    from i3core.evaluate import run_eval
+
+    result, env_name = run_eval(args)
+    summary = result.summary()
+    if args.json:
+        print(json.dumps({"env": env_name, **summary, "errors": result.failed[:10]}, indent=2))
+        return 0 if result.rollouts else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table("example", "task", "reward", "turns", "completion", title=f"{env_name}: first rollouts")
+    for rollout in result.rollouts[: args.show]:
+        table.add_row(rollout.example.id, rollout.example.task or "-", f"{rollout.reward:.3f}",
+                      f"{rollout.metrics.get('turns', 1):g}", _completion_preview(rollout))
+    console.print(table)
+    for example_id, error in result.failed[:5]:
+        console.print(f"[yellow]failed[/] {example_id}: {error}")
+    for key, value in summary.items():
+        console.print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
+    return 0 if result.rollouts else 1
+
+
+def _completion_preview(rollout, limit: int = 120) -> str:
+    completion = rollout.state.get("completion")
+    if isinstance(completion, list):
+        text = " | ".join(f"{m['role']}: {m.get('content') or ''}" for m in completion)
+    else:
+        text = rollout.completion_text
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

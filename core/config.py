@@ -20,14 +20,14 @@ import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from i3core.errors import ConfigError, Problem, did_you_mean
+from i3core.errors import ConfigError, I3Error, Problem, did_you_mean
 from i3core.manager import Plugins, load_plugins
-from i3core.registry import SECTION_KINDS, Component
+from i3core.registry import KINDS, SECTION_KINDS, Component
 
 
 class RunSection(BaseModel):
@@ -106,6 +106,32 @@ class ComponentSpec:
 
     def build(self):
         return self.component.build(self.config)
+
+
+class ComponentRef(BaseModel):
+    """A component nested in another component's ``Config`` (an env group's ``[[env.members]]``).
+
+    ``use`` names a registered component of ``kind``; every key the subclass
+    does not declare is that component's option, validated against its
+    ``Config`` together with the rest of the file (problems at
+    ``env.members[0].key``). The owner builds it with :meth:`build`.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    kind: ClassVar[str]
+
+    use: str = Field(description="The registered name of the nested component.")
+    _spec: "ComponentSpec | None" = PrivateAttr(None)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def build(self):
+        """The nested component, ``cls(config)``."""
+        if self._spec is None:
+            raise I3Error(f"{self.kind} {self.use!r} was not validated through the run config")
+        return self._spec.build()
 
 
 @dataclass
@@ -257,7 +283,13 @@ def cross_check(config: RunConfig) -> list[Problem]:
 def validate_component(
     section: str, value: dict[str, Any], plugins: Plugins, problems: list[Problem]
 ) -> ComponentSpec | None:
-    kind = SECTION_KINDS[section]
+    return _validate_named(SECTION_KINDS[section].name, section, value, plugins, problems)
+
+
+def _validate_named(kind_name: str, section: str, value: dict[str, Any], plugins: Plugins,
+                    problems: list[Problem]) -> ComponentSpec | None:
+    """Validate ``{"use": name, **options}`` as a component of ``kind_name``; problems under ``section``."""
+    kind = KINDS[kind_name]
     available = plugins.registry.of_kind(kind.name)
     choices = ", ".join(f"{c.name} ({c.provider.distribution})" for c in available) or "none installed"
     options = dict(value)
@@ -279,7 +311,22 @@ def validate_component(
         )
         return None
     config = _validate_model(component.config_model, options, section, problems)
-    return None if config is None else ComponentSpec(section, component, config)
+    if config is None:
+        return None
+    before = len(problems)
+    _validate_refs(config, section, plugins, problems)
+    return ComponentSpec(section, component, config) if len(problems) == before else None
+
+
+def _validate_refs(config: BaseModel, section: str, plugins: Plugins, problems: list[Problem]) -> None:
+    """Validate every :class:`ComponentRef` in ``config``'s fields (alone or in a list) and attach its spec."""
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        refs = [(f"{section}.{name}", value)] if isinstance(value, ComponentRef) else [
+            (f"{section}.{name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, ComponentRef)
+        ] if isinstance(value, list) else []
+        for path, ref in refs:
+            ref._spec = _validate_named(ref.kind, path, {"use": ref.use, **ref.options}, plugins, problems)
 
 
 def _validate_model(

@@ -156,7 +156,8 @@ def i3_on_rollout_finished(rollout):
 def i3_on_group_scored(group):
     """All rollouts of one prompt are scored; advantages are not computed yet.
 
-    Called by the orchestrator once per group. An implementation may change the
+    Called by the orchestrator once per group, after the env's group-level
+    scoring (its rubric's group reward functions). An implementation may change the
     rewards of ``group.rollouts`` in place (reward shaping) or return ``False``
     to drop the whole group (filtering, e.g. groups with zero advantage).
 

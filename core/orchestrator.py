@@ -8,11 +8,20 @@ slot is refilled at once (the ``async`` scheduler) or only for the next batch
 (``sync``). Each rollout runs through the env; when a group's last rollout is
 back, ``i3_on_group_scored`` may reshape or drop it. A batch is cut from the
 first ``groups_per_batch`` finished groups once the scheduler allows, stale
-groups are dropped whole, advantages are ``R - mean(R_group)``, and the
-packed batch is written for the trainer. A watcher follows the trainer's
-published versions, tells every live server to load them (in flight:
-running sequences continue under the new version) and writes each step's
-metrics.
+groups are dropped whole, advantages are ``R - mean(R_group)`` (or per turn,
+for rollouts with turn-level credit, see :mod:`i3core.packing`), and the
+packed batch is written for the trainer.
+
+What the orchestrator asks of an env beyond the :class:`~i3core.protocols.Environment`
+protocol, each optional: ``example_stream(rng)`` (the order prompts are drawn
+in; default: the dataset, reshuffled every epoch), ``async score_group(rollouts)``
+(group-level scoring once a group's last rollout is back, e.g. an env group's
+mixing statistics or relative rewards), ``metrics()`` (added to every step's
+metrics).
+
+A watcher follows the trainer's published versions, tells every live server
+to load them (in flight: running sequences continue under the new version)
+and writes each step's metrics.
 
 Client pool: a server that errors or times out is marked down; every rollout
 running on it is cancelled and re-queued on the others (a rollout is trained
@@ -38,7 +47,7 @@ import structlog
 from i3core.errors import I3Error, RolloutMasked, ServerError
 from i3core.events import end_step, group_kept
 from i3core.files import atomic_torch_save
-from i3core.packing import group_advantages, pack, sample_from_rollout
+from i3core.packing import assign_advantages, pack, sample_from_rollout
 from i3core.sandbox_pool import SandboxPool, check_env_has_sandboxes
 from i3core.trainer import RunPaths
 from i3core.types import Example, Group, Rollout
@@ -150,6 +159,7 @@ class Orchestrator:
         self._running: dict[asyncio.Task, Job] = {}
         self._requeue_on_cancel: set[asyncio.Task] = set()
         self._open: set[OpenGroup] = set()
+        self._scoring: dict[asyncio.Task, OpenGroup] = {}
         self._ready: list[Group] = []
         self._wake = asyncio.Event()
         self._started = time.perf_counter()
@@ -284,8 +294,29 @@ class Orchestrator:
                 self.plugins.hook.i3_on_rollout_finished(rollout=rollout)
                 group.rollouts.append(rollout)
             if group.outstanding == 0:
-                self._open.discard(group)
+                self._score_group(group)
+        for task in [t for t in self._scoring if t.done()]:
+            group = self._scoring.pop(task)
+            self._open.discard(group)
+            error = asyncio.CancelledError("group scoring was cancelled") if task.cancelled() else task.exception()
+            if error is None:
                 self._close_group(Group(group.example, group.rollouts))
+            elif isinstance(error, Exception | asyncio.CancelledError):  # counted as failed, the run goes on
+                self.ledger.failed += len(group.rollouts)
+                log.warning("group scoring failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
+            else:
+                raise error
+
+    def _score_group(self, group: OpenGroup) -> None:
+        """Close a group whose last rollout is back, after the env's group-level scoring when it has one."""
+        score_group = getattr(self.env, "score_group", None)
+        if score_group is None or not group.rollouts:
+            self._open.discard(group)
+            self._close_group(Group(group.example, group.rollouts))
+            return
+        task = asyncio.create_task(score_group(group.rollouts))
+        task.add_done_callback(lambda _: self._wake.set())
+        self._scoring[task] = group
 
     def _close_group(self, group: Group) -> None:
         if not group.rollouts:
@@ -313,8 +344,12 @@ class Orchestrator:
         return running + requeued + finished
 
     def _example_stream(self):
-        examples = list(self.env.examples())
         rng = random.Random(self.config.run.seed)
+        stream = getattr(self.env, "example_stream", None)
+        if stream is not None:
+            yield from stream(rng)
+            return
+        examples = list(self.env.examples())
         while True:
             rng.shuffle(examples)
             yield from examples
@@ -337,8 +372,7 @@ class Orchestrator:
         groups, ready[:] = ready[:need], ready[need:]
         rollouts = [r for g in groups for r in g.rollouts]
         for group in groups:
-            for rollout, advantage in zip(group.rollouts, group_advantages(group.rewards())):
-                rollout.advantage = advantage
+            assign_advantages(group.rollouts)
         batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
         atomic_torch_save(batch, self.paths.batch(step))
@@ -369,6 +403,9 @@ class Orchestrator:
             metrics["time/elapsed_s"] = time.perf_counter() - self._started
             if self.sandboxes is not None:
                 metrics.update({f"sandboxes/{k}": n for k, n in sorted(self.sandboxes.stats.items())})
+            env_metrics = getattr(self.env, "metrics", None)
+            if env_metrics is not None:
+                metrics.update(env_metrics())
             end_step(self.plugins.hook, self.sinks, step, metrics)
             if self.progress is not None:
                 self.progress(step, metrics)
@@ -426,7 +463,7 @@ class Orchestrator:
             await watcher
         finally:
             watcher.cancel()
-            tasks = [*self._running, *(c.probe for c in self.clients if c.probe is not None)]
+            tasks = [*self._running, *self._scoring, *(c.probe for c in self.clients if c.probe is not None)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(watcher, *tasks, return_exceptions=True)
@@ -458,11 +495,23 @@ def _nonfinite(rollout: Rollout) -> str | None:
 
 
 def _batch_metrics(rollouts: list[Rollout], trained_version: int) -> dict[str, float]:
-    """Reward, staleness (per rollout: its oldest token) and a histogram of trained tokens' off-policy steps."""
+    """Reward, staleness (per rollout: its oldest token), a histogram of trained tokens' off-policy steps,
+    the mean of every rollout metric, and per task (env group member) its reward, share and metrics."""
     rewards = [r.reward for r in rollouts]
     staleness = [trained_version - r.oldest_version for r in rollouts]
-    tokens = Counter(trained_version - v for r in rollouts for v in r.completion_versions)
+    tokens = Counter(trained_version - v for r in rollouts for v in r.model_versions)
+    tasks: dict[str, list[Rollout]] = {}
+    for rollout in rollouts:
+        if rollout.example.task:
+            tasks.setdefault(rollout.example.task, []).append(rollout)
+    per_task = {}
+    for task, members in sorted(tasks.items()):
+        per_task[f"env/{task}/reward/mean"] = sum(r.reward for r in members) / len(members)
+        per_task[f"env/{task}/share"] = len(members) / len(rollouts)
+        per_task.update({f"env/{task}/{k}": v for k, v in _metric_means(members).items()})
     return {
+        **_metric_means(rollouts),
+        **per_task,
         "reward/mean": sum(rewards) / len(rewards),
         "reward/max": max(rewards),
         "reward/min": min(rewards),
@@ -471,3 +520,12 @@ def _batch_metrics(rollouts: list[Rollout], trained_version: int) -> dict[str, f
         **{f"off_policy/tokens_at_{k}": n for k, n in sorted(tokens.items())},
         "completion/mean_tokens": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
     }
+
+
+def _metric_means(rollouts: list[Rollout]) -> dict[str, float]:
+    """``metrics/<name>``: the mean of each rollout metric over the rollouts that report it."""
+    values: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for key, value in rollout.metrics.items():
+            values.setdefault(key, []).append(float(value))
+    return {f"metrics/{key}": sum(v) / len(v) for key, v in sorted(values.items())}

@@ -1,7 +1,12 @@
 """From scored rollouts to a packed :class:`TrainBatch`: advantages, then first-fit packing.
 
 Advantages are group-relative without a std normaliser (INTELLECT-3's
-choice): ``A_i = R_i - mean(R_group)``. Packing places whole samples into rows
+choice): ``A_i = R_i - mean(R_group)``, the same on every token of a rollout
+(episode-level credit). Turn-level credit (a rollout with ``credit = "turn"``)
+gives the tokens of turn ``t`` the return from that turn on, ``G_t = sum of
+turn_rewards[t:]`` (undiscounted), minus the mean ``G_t`` of the group's
+rollouts that reached turn ``t``; a one-turn rollout gets the episode advantage.
+Packing places whole samples into rows
 of ``seq_len`` tokens, longest first, never truncating; positions restart at
 0 for each sample so packed samples never attend to each other.
 """
@@ -26,6 +31,8 @@ class Sample:
     inference_logprobs: list[float]
     versions: list[int]
     advantage: float
+    token_advantages: list[float] | None = None
+    """Per-token advantages (turn-level credit); None: ``advantage`` on every token."""
 
 
 def group_advantages(rewards: list[float]) -> list[float]:
@@ -34,14 +41,44 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
+def turn_returns(rollout: Rollout) -> list[float]:
+    """``G_t``: the reward of turn ``t`` and every later turn; one turn holding all of ``reward`` if none are given."""
+    rewards = rollout.turn_rewards or [rollout.reward]
+    return [sum(rewards[t:]) for t in range(len(rewards))]
+
+
+def assign_advantages(rollouts: list[Rollout]) -> None:
+    """Set ``advantage`` (episode level) on every rollout of one group, and
+    ``completion_advantages`` (turn level) on those with ``credit = "turn"``."""
+    for rollout, advantage in zip(rollouts, group_advantages([r.reward for r in rollouts])):
+        rollout.advantage = advantage
+    returns = [turn_returns(r) for r in rollouts]
+    baseline: dict[int, list[float]] = {}
+    for g in returns:
+        for t, value in enumerate(g):
+            baseline.setdefault(t, []).append(value)
+    mean = {t: sum(values) / len(values) for t, values in baseline.items()}
+    for rollout, g in zip(rollouts, returns):
+        if rollout.credit != "turn":
+            continue
+        per_turn = [value - mean[t] for t, value in enumerate(g)]
+        turns = rollout.completion_turns or [0] * len(rollout.completion_ids)
+        last = len(per_turn) - 1
+        rollout.completion_advantages = [per_turn[min(t, last)] for t in turns]
+
+
 def sample_from_rollout(rollout: Rollout) -> Sample:
     n_prompt = len(rollout.prompt_ids)
+    token_advantages = None
+    if rollout.completion_advantages is not None:
+        token_advantages = [0.0] * n_prompt + list(rollout.completion_advantages)
     return Sample(
         token_ids=rollout.prompt_ids + rollout.completion_ids,
         loss_mask=[False] * n_prompt + list(rollout.completion_mask),
         inference_logprobs=[0.0] * n_prompt + list(rollout.completion_logprobs),
         versions=[-1] * n_prompt + list(rollout.completion_versions),
         advantage=rollout.advantage,
+        token_advantages=token_advantages,
     )
 
 
@@ -82,7 +119,7 @@ def pack(samples: list[Sample], seq_len: int) -> TrainBatch:
             input_ids[r, span] = torch.tensor(s.token_ids)
             position_ids[r, span] = torch.arange(n)
             loss_mask[r, span] = torch.tensor(s.loss_mask)
-            advantages[r, span] = s.advantage
+            advantages[r, span] = s.advantage if s.token_advantages is None else torch.tensor(s.token_advantages)
             inference_logprobs[r, span] = torch.tensor(s.inference_logprobs)
             sequence_ids[r, span] = index
             versions[r, span] = torch.tensor(s.versions)

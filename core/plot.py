@@ -4,7 +4,7 @@
 which writes
 
 - ``RUN_DIR/plot.png``: every view on one figure;
-- ``RUN_DIR/plots/{reward,loss,off_policy,mismatch_kl,masked,throughput}.png``;
+- ``RUN_DIR/plots/{reward,loss,off_policy,mismatch_kl,masked,throughput,env_reward,env_mixing}.png``;
 - ``RUN_DIR/plots/index.html``: the views (relative links, so the folder can be
   copied) and a table of the last step's metrics.
 
@@ -25,6 +25,8 @@ Views and the metrics they read (a view without its metrics says so):
 - throughput: trainer loss tokens per second of step time
   (``train/loss_tokens / step_time_s``) and rollouts resolved per second of
   wall time (from ``time/elapsed_s``).
+- per env (an env group's members): ``env/<task>/reward/mean`` and the
+  mixing weight ``env/<task>/mix_weight``.
 """
 
 import html
@@ -126,6 +128,16 @@ def throughput(rows: list[dict]) -> list[Series]:
     return [s for s in out if s.steps]
 
 
+def per_task(suffix: str) -> Callable[[list[dict]], list[Series]]:
+    """One line per env-group member: ``env/<task>/<suffix>``."""
+
+    def series(rows: list[dict]) -> list[Series]:
+        keys = sorted({k for r in rows for k in r if k.startswith("env/") and k.endswith("/" + suffix)})
+        return [s for k in keys if (s := _column(rows, k, k.split("/")[1])).steps]
+
+    return series
+
+
 VIEWS = [
     View("reward", "Reward", "reward", _keys("reward/mean", "reward/min", "reward/max")),
     View("loss", "Loss", "loss", _keys("loss")),
@@ -134,6 +146,8 @@ VIEWS = [
     View("mismatch_kl", "Mismatch KL(inference || trainer), k3", "nats / token", _keys("mismatch/kl")),
     View("masked", "Masked fractions", "fraction", masked_fractions),
     View("throughput", "Throughput", "per second", throughput),
+    View("env_reward", "Reward per env (env group members)", "reward", per_task("reward/mean")),
+    View("env_mixing", "Mixing weight per env", "weight", per_task("mix_weight")),
 ]
 
 
@@ -175,9 +189,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         fig.savefig(out / f"{view.name}.png", dpi=DPI)
         plt.close(fig)
         written.append(out / f"{view.name}.png")
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    grid_rows = math.ceil(len(VIEWS) / 3)
+    fig, axes = plt.subplots(grid_rows, 3, figsize=(16, 4 * grid_rows))
     for ax, view in zip(axes.flat, VIEWS):
         _draw(ax, view, rows)
+    for ax in list(axes.flat)[len(VIEWS):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(run_dir / "plot.png", dpi=DPI)
     plt.close(fig)

@@ -6,7 +6,7 @@ the methods the core calls on it afterwards.
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -27,8 +27,19 @@ class Optimizer(Protocol):
 
 @runtime_checkable
 class InferenceClient(Protocol):
+    """One inference server, as an env sees it. Tokens in, tokens out: a multi-turn env keeps
+    the token ids it was given and sends them back with ``complete_ids``, never re-tokenising."""
+
+    tokenizer: Any
+    """Encodes env text: ``tokenizer.encode(text).ids`` (``tokenizers``) or ``encode(text)`` (transformers)."""
+
     async def complete(self, prompt: str, *, max_tokens: int, temperature: float) -> Completion:
-        """Generate one completion; every token carries its logprob and policy version."""
+        """Generate one completion of a text prompt; every token carries its logprob and policy version."""
+
+    async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
+                           stop_token_ids: list[int] | None = None) -> Completion:
+        """Generate one completion of a token-id prompt, stopping at ``stop_token_ids`` (None: the
+        client's default); the stop token, when hit, is the last of ``token_ids``."""
 
 
 @runtime_checkable

@@ -135,6 +135,7 @@ def train(run: Run) -> None:
     config = run.config
     env, sandbox = run.components["env"], run.components.get("sandbox")
     check_env_has_sandboxes(env, config.get("env").name, sandbox)  # before the trainer starts
+    _check_rollout_length(env, config, run.components["inference"])
     paths = RunPaths(run.output_dir)
     paths.make()
     for stale in [paths.stop(), *paths.trainer.glob("step_*.json"), *paths.batches.glob("step_*.pt")]:
@@ -175,6 +176,22 @@ def train(run: Run) -> None:
             rendezvous.close()
         trainer_log.close()
         _plot(run.output_dir)
+
+
+def _check_rollout_length(env, config: RunConfig, source) -> None:
+    """Refuse an env whose rollouts can outgrow the servers' ``max_len`` (every request would be refused) or
+    ``trainer.seq_len`` (the batch could not be packed)."""
+    bound = getattr(env, "max_rollout_tokens", lambda: None)()
+    if bound is None:
+        return
+    name = config.get("env").name
+    max_len = getattr(source.config, "max_len", None)
+    if max_len is not None and bound > max_len:
+        raise I3Error(f"env {name!r} rollouts reach {bound} tokens (max_total_tokens) but [inference] max_len is "
+                      f"{max_len}: lower the one or raise the other")
+    if bound > config.trainer.seq_len:
+        raise I3Error(f"env {name!r} rollouts reach {bound} tokens (max_total_tokens) but trainer.seq_len is "
+                      f"{config.trainer.seq_len}: a rollout must fit one packed row")
 
 
 def _wait_for_version_0(trainer: subprocess.Popen, sync, paths: RunPaths, out: Path) -> None:

@@ -6,7 +6,8 @@ pytest fixtures (``i3_plugins``, ``i3_make_component``, ``i3_hook_recorder``)
 through the ``pytest11`` entry point.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import importlib_metadata
@@ -16,6 +17,7 @@ from i3core.config import validate_component
 from i3core.errors import ConfigError, I3Error, Problem
 from i3core.manager import ENTRY_POINT_GROUP, Plugins, load_plugins
 from i3core.registry import KINDS, Provider
+from i3core.types import Completion
 
 
 def plugin_manager(*plugins: object, installed: bool = True, disable: tuple[str, ...] = ()) -> Plugins:
@@ -102,4 +104,65 @@ class HookRecorder:
         self._undo()
 
 
-__all__ = ["HookCall", "HookRecorder", "make_component", "plugin_manager"]
+@dataclass
+class ScriptedRequest:
+    """One request a :class:`ScriptedClient` received."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    stop_token_ids: list[int] | None
+
+
+@dataclass
+class ScriptedClient:
+    """An inference client that answers with canned replies, for hook-level env tests without a model.
+
+    Each request takes the next reply: a string, or a function of the
+    request's prompt ids returning one. The reply is tokenized with
+    ``tokenizer``; generation stops after the first stop token (the
+    request's ``stop_token_ids``, else ``stop_token_ids`` here) or at
+    ``max_tokens``, exactly as a server would, so a reply can be cut. Every
+    token gets logprob ``logprob`` and policy version ``version``. Every
+    request is recorded in ``requests``, so a test can check what the env sent.
+    Running out of replies is an error.
+
+    :param tokenizer: a ``tokenizers.Tokenizer`` or a ``transformers`` tokenizer.
+    """
+
+    tokenizer: Any
+    replies: Sequence[str | Callable[[list[int]], str]]
+    version: int = 0
+    logprob: float = -0.25
+    stop_token_ids: list[int] | None = None
+    requests: list[ScriptedRequest] = field(default_factory=list)
+
+    def _encode(self, text: str) -> list[int]:
+        if hasattr(self.tokenizer, "apply_chat_template"):
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    async def complete(self, prompt: str, *, max_tokens: int, temperature: float) -> Completion:
+        return await self.complete_ids(self._encode(prompt), max_tokens=max_tokens, temperature=temperature)
+
+    async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
+                           stop_token_ids: list[int] | None = None) -> Completion:
+        stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
+        self.requests.append(ScriptedRequest(list(prompt_ids), max_tokens, temperature, stop))
+        index = len(self.requests) - 1
+        if index >= len(self.replies):
+            raise AssertionError(f"ScriptedClient: request {index + 1} but only {len(self.replies)} replies")
+        reply = self.replies[index]
+        text = reply(list(prompt_ids)) if callable(reply) else reply
+        ids, finish = self._encode(text), "length"
+        for i, token in enumerate(ids):
+            if stop and token in stop:
+                ids, finish = ids[: i + 1], "stop"
+                break
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+        return Completion(self.tokenizer.decode(ids, skip_special_tokens=False), list(prompt_ids), ids,
+                          [self.logprob] * len(ids), [self.version] * len(ids), finish)
+
+
+__all__ = ["HookCall", "HookRecorder", "ScriptedClient", "ScriptedRequest", "make_component", "plugin_manager"]

@@ -224,14 +224,20 @@ class Trainer:
         cfg = self.config.sft
         env = self.config.get("env").build()
         tokenizer = self.model_component.tokenizer()
-        examples = list(env.examples())
+        sft_ids = getattr(env, "sft_ids", None)
+        if sft_ids is None:  # an env with only demonstration(): its text prompt and demonstration, encoded
+            def sft_ids(example, tokenizer):
+                text = env.demonstration(example)
+                return None if text is None else (tokenizer.encode(example.prompt).ids, tokenizer.encode(text).ids)
+        demonstrations = [pair for e in env.examples() if (pair := sft_ids(e, tokenizer)) is not None]
+        if not demonstrations:
+            raise I3Error(f"sft.steps = {cfg.steps} but env {self.config.get('env').name!r} has no demonstrations; "
+                          "set sft.steps = 0")
         rng = random.Random(self.config.run.seed)
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         for step in range(1, cfg.steps + 1):
             samples = []
-            for example in rng.sample(examples, min(cfg.batch_size, len(examples))):
-                prompt = tokenizer.encode(example.prompt).ids
-                answer = tokenizer.encode(env.demonstration(example)).ids
+            for prompt, answer in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
                 n = len(prompt) + len(answer)
                 samples.append(Sample(prompt + answer, [False] * len(prompt) + [True] * len(answer), [0.0] * n,
                                       [-1] * n, 0.0))

@@ -52,9 +52,12 @@ class Example:
     """One dataset row of an environment."""
 
     id: str
-    prompt: str
+    prompt: Any
+    """The prompt: text for text-completion envs, a list of chat messages for chat envs."""
     answer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    task: str = ""
+    """Which environment the row belongs to (set by an env group to its member's name); per-task metrics use it."""
 
 
 @dataclass
@@ -63,7 +66,13 @@ class Rollout:
 
     ``completion_ids``, ``completion_logprobs``, ``completion_versions`` and
     ``completion_mask`` are aligned, one entry per completion token; the mask is
-    True on model tokens and False on tool/env tokens of multi-turn rollouts.
+    True on model tokens and False on tool/env tokens of multi-turn rollouts
+    (those carry logprob 0 and version -1).
+
+    Credit assignment: with ``credit = "episode"`` every model token gets the
+    rollout's advantage; with ``"turn"`` the orchestrator gives each turn its own
+    advantage from ``turn_rewards`` (``completion_turns`` says which turn each
+    completion token belongs to) and writes it to ``completion_advantages``.
     """
 
     example: Example
@@ -77,10 +86,25 @@ class Rollout:
     advantage: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    completion_turns: list[int] = field(default_factory=list)
+    """The turn (0, 1, ...) of each completion token; empty means one turn."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Reward earned in each turn (their sum is ``reward``); empty means all of it in the last turn."""
+    credit: str = "episode"
+    """``episode``: one advantage per rollout; ``turn``: one per turn (see the class docstring)."""
+    completion_advantages: list[float] | None = None
+    """Per-token advantages of the completion (turn-level credit), or None: ``advantage`` on every token."""
+    state: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The env's final rollout state (messages, custom keys), for group-level scoring and inspection."""
+
+    @property
+    def model_versions(self) -> list[int]:
+        """The policy versions of the model-sampled tokens (tool and env tokens have none)."""
+        return [v for v, m in zip(self.completion_versions, self.completion_mask) if m]
 
     @property
     def oldest_version(self) -> int:
-        return min(self.completion_versions, default=0)
+        return min(self.model_versions, default=0)
 
 
 @dataclass

@@ -81,3 +81,13 @@ def abs_logprob_diffs(model, completion):
     start = len(completion.prompt_ids) - 1
     ref = torch.stack([logprobs[start + i, t] for i, t in enumerate(completion.token_ids)])
     return (ref - torch.tensor(completion.logprobs)).abs()
+
+
+@pytest.fixture(autouse=True)
+def _console_logging_reset():
+    """A test that configures logging onto its captured stderr must not leave later tests writing to it
+    once pytest has closed that stream."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()

@@ -9,9 +9,12 @@ import time
 
 import pytest
 
+from i3core.testing import plugin_manager
+
 from .conftest import ROOT
 
 pytestmark = pytest.mark.slow
+LOCAL_SANDBOX = plugin_manager().registry.get("sandbox", "local") is not None
 
 LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
 
@@ -82,3 +85,41 @@ def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_pa
     assert rows[-1]["rollouts/requeued"] > 0
     assert rows[-1]["rollouts/failed"] == 0
     assert "inference server marked down" in stderr
+
+
+def group_run(tmp_path, config_name, *sets):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / config_name),
+            "--set", f"run.output_dir='{out}'", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, read_metrics(out)
+
+
+def check_group_metrics(rows, tasks):
+    for row in rows:
+        assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
+        assert row["rollouts/failed"] == 0
+        assert sum(row[f"env/{t}/mix_weight"] for t in tasks) == pytest.approx(1.0)
+        shares = [row[f"env/{t}/share"] for t in tasks if f"env/{t}/share" in row]
+        assert shares and sum(shares) == pytest.approx(1.0)
+    for task in tasks:  # every member was trained on at some step, with its own reward and metrics
+        assert any(f"env/{task}/reward/mean" in row for row in rows), task
+    assert any(row.get("env/calc/metrics/turns", 0) >= 1 for row in rows)
+
+
+def test_env_group_of_reverse_text_and_tool_calc_trains_with_per_member_metrics(tmp_path):
+    out, rows = group_run(tmp_path, "env_group.toml", "run.max_steps=6", "sft.steps=3", "env.mixing='fixed'")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    check_group_metrics(rows, ["reverse-text", "calc"])
+    assert (out / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.sandbox
+@pytest.mark.skipif(not LOCAL_SANDBOX, reason="the local sandbox backend is not installed on this branch")
+def test_env_group_with_code_in_sandboxes_trains_with_per_member_metrics(tmp_path):
+    out, rows = group_run(tmp_path, "env_group_code.toml", "run.max_steps=6", "sft.steps=3", "env.mixing='fixed'")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    check_group_metrics(rows, ["reverse-text", "calc", "code"])
+    assert any("env/code/metrics/pass_rate" in row for row in rows)
+    assert rows[-1]["sandboxes/created"] >= 1 and rows[-1]["rollouts/masked"] == 0

@@ -39,10 +39,17 @@ class InferenceClient:
             raise ServerError(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
 
     async def complete(self, prompt: str, *, max_tokens: int, temperature: float, seed: int | None = None) -> Completion:
-        prompt_ids = self.tokenizer.encode(prompt).ids
+        return await self.complete_ids(self.tokenizer.encode(prompt).ids, max_tokens=max_tokens,
+                                       temperature=temperature, seed=seed)
+
+    async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
+                           stop_token_ids: list[int] | None = None, seed: int | None = None) -> Completion:
+        """One completion of ``prompt_ids``, sent as ids (a multi-turn env's trajectory so far, untouched)."""
+        prompt_ids = list(prompt_ids)
         body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
-        if self.stop_token_ids is not None:
-            body["stop_token_ids"] = self.stop_token_ids
+        stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
+        if stop is not None:
+            body["stop_token_ids"] = stop
         if seed is None:
             del body["seed"]
         choice = (await self._post("/v1/completions", body))["choices"][0]
