@@ -166,7 +166,7 @@ class Orchestrator:
         self._all_down_since: float | None = None
         self._examples = self._example_stream()
         self.sandboxes = None
-        check_env_has_sandboxes(self.env, self.config.get("env").name, self.sandbox_backend)
+        check_env_has_sandboxes(self.env, self.sandbox_backend, self.config)
 
     # -- the client pool -----------------------------------------------------
 

@@ -134,7 +134,7 @@ def train(run: Run) -> None:
 
     config = run.config
     env, sandbox = run.components["env"], run.components.get("sandbox")
-    check_env_has_sandboxes(env, config.get("env").name, sandbox)  # before the trainer starts
+    check_env_has_sandboxes(env, sandbox, config)  # before the trainer starts
     _check_rollout_length(env, config, run.components["inference"])
     paths = RunPaths(run.output_dir)
     paths.make()

@@ -26,10 +26,10 @@ SANDBOX_FAILED = "sandbox_failed"
 """The ledger's masked reason for a rollout whose sandbox failed."""
 
 
-def check_env_has_sandboxes(env, env_name: str, backend) -> None:
-    """Refuse an env that runs code (``requires_sandbox``) in a run without a ``[sandbox]`` backend."""
+def check_env_has_sandboxes(env, backend, config) -> None:
+    """Refuse an env that runs code (``requires_sandbox``) in a run (``config``) without a ``[sandbox]`` backend."""
     if getattr(env, "requires_sandbox", False) and backend is None:
-        raise I3Error(f"env {env_name!r} runs code: add a [sandbox] section (use = \"local\", \"docker\" or \"k8s\")")
+        raise I3Error(f"env {config.get('env').name!r} runs code: add a [sandbox] section (use = \"local\", \"docker\" or \"k8s\")")
 
 
 class SandboxPool:
