@@ -96,7 +96,7 @@ def _whole_sample_at(versions: torch.Tensor, sequence_ids: torch.Tensor, mask: t
     """
     num = int(sequence_ids.max()) + 1
     off = (mask & (versions != version)).long()
-    bad = torch.zeros(num, dtype=torch.long).index_add_(0, sequence_ids, off)
+    bad = torch.zeros(num, dtype=torch.long, device=sequence_ids.device).index_add_(0, sequence_ids, off)
     return bad[sequence_ids] == 0
 
 
@@ -162,13 +162,18 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        parallelize = getattr(self.model_component, "parallelize", None)
+        if parallelize is not None:  # the model applies its own activation checkpointing and FSDP2
+            parallelize(self.model, world=self.world, checkpoint=config.trainer.activation_memory == "checkpoint",
+                        seq_len=config.trainer.seq_len)
+            return
         if config.trainer.activation_memory == "checkpoint":
             if not hasattr(self.model, "activation_checkpointing"):
                 raise I3Error(f"model {config.get('model').name} has no activation checkpointing: "
                               "use trainer.activation_memory = \"keep\" or \"offload\"")
             self.model.activation_checkpointing = True
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         if self.world > 1:
             from torch.distributed.fsdp import fully_shard
 
@@ -239,8 +244,9 @@ class Trainer:
             total = batch.loss_mask.sum().clamp_min(1)
             batch = self.local_rows(batch)
             optimizer.zero_grad(set_to_none=True)
-            lp = token_logprobs(self.model, batch.input_ids, batch.position_ids, self.config.trainer.logprob_chunk)
-            loss = -(lp * batch.loss_mask).sum() / total
+            lp = token_logprobs(self.model, batch.input_ids.to(self.device), batch.position_ids.to(self.device),
+                                self.config.trainer.logprob_chunk)
+            loss = -(lp * batch.loss_mask.to(self.device)).sum() / total
             (loss * self.world).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
             optimizer.step()
@@ -270,6 +276,8 @@ class Trainer:
         activation_bytes = 0
         for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
                                 batch.versions.split(tcfg.micro_batch_rows)):
+            mb = {key: value.to(self.device) for key, value in mb.items()}
+            versions = versions.to(self.device)
             with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
                 lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk)
             activation_bytes = max(activation_bytes, saved.bytes)
