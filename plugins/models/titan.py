@@ -92,9 +92,12 @@ class TitanConfig(BaseModel):
 
             raise ValueError(f"unknown {self.family} flavor {self.flavor!r}{did_you_mean(self.flavor, known)}; "
                              f"MoE flavors: {', '.join(known)}")
-        full = len(_flavor_config(self.family, self.flavor, self.attn_backend).layers)
-        if self.n_layers is not None and self.n_layers > full:
-            raise ValueError(f"n_layers ({self.n_layers}) exceeds the {full} layers of {self.flavor}")
+        layers = _flavor_config(self.family, self.flavor, self.attn_backend).layers
+        if self.n_layers is not None and self.n_layers > len(layers):
+            raise ValueError(f"n_layers ({self.n_layers}) exceeds the {len(layers)} layers of {self.flavor}")
+        if all(layer.moe is None for layer in layers[: self.n_layers]):
+            raise ValueError(f"n_layers ({self.n_layers}) keeps only dense layers of {self.flavor}: "
+                             "keep at least one MoE layer")
         return self
 
 
@@ -202,21 +205,37 @@ def _groups(state: dict[str, torch.Tensor]) -> Iterator[list[str]]:
         yield group
 
 
+def hf_model_type(model: TitanPolicy) -> str:
+    """The transformers architecture that computes what ``model`` computes.
+
+    DeepSeek flavors whose router scores with a softmax (``debugmodel``, ``16B``, ``236B``: the DeepSeek-V2
+    design) are ``deepseek_v2``; transformers' ``deepseek_v3`` always scores with a sigmoid (``671B``).
+    """
+    if model.spec.name == "qwen3":
+        return "qwen3_moe"
+    router = next(layer.moe.router for layer in model.cfg.layers if layer.moe is not None)
+    return "deepseek_v3" if router.score_func == "sigmoid" else "deepseek_v2"
+
+
 def iter_hf_tensors(model: TitanPolicy) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` through torchtitan's ``to_hf``, one block at a time (experts split per expert).
 
     On an FSDP2-sharded model each block's parameters are gathered when its turn comes, so every rank must
-    iterate in step and no rank holds more than one block unsharded.
+    iterate in step and no rank holds more than one block unsharded. ``deepseek_v2`` has no router bias
+    (``e_score_correction_bias``): it is left out there (i3core never updates it; it stays 0).
     """
     adapter = _adapter(model)
+    drop_bias = hf_model_type(model) == "deepseek_v2"
     state = model.decoder.state_dict()
     for keys in _groups(state):
         part = {key: _full(state[key]) for key in keys}
-        yield from adapter.to_hf(part).items()
+        for name, tensor in adapter.to_hf(part).items():
+            if not (drop_bias and name.endswith("e_score_correction_bias")):
+                yield name, tensor
 
 
 def hf_config(model: TitanPolicy, eos_token_id: int | None) -> dict:
-    """``config.json`` of ``model`` for transformers (``qwen3_moe`` or ``deepseek_v3``)."""
+    """``config.json`` of ``model`` for transformers (:func:`hf_model_type`)."""
     cfg = model.cfg
     layers = cfg.layers
     moe_layer = next(layer for layer in layers if layer.moe is not None)
@@ -262,10 +281,12 @@ def hf_config(model: TitanPolicy, eos_token_id: int | None) -> dict:
                    "beta_slow": rope.beta_slow, "original_max_position_embeddings": rope.original_seq_len,
                    "mscale": attn.mscale, "mscale_all_dim": attn.mscale}
     shared = moe.shared_experts
+    model_type = hf_model_type(model)
+    groups = moe.router.num_expert_groups
     return {
         **common,
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM" if model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"],
+        "model_type": model_type,
         "num_key_value_heads": attn.n_heads,
         "intermediate_size": dense[0].feed_forward.w1.out_features if dense else common["moe_intermediate_size"],
         "first_k_dense_replace": len(dense),
@@ -273,8 +294,8 @@ def hf_config(model: TitanPolicy, eos_token_id: int | None) -> dict:
         "n_shared_experts": shared.w1.out_features // common["moe_intermediate_size"] if shared else 0,
         "routed_scaling_factor": moe.router.route_scale,
         "scoring_func": moe.router.score_func,
-        "topk_method": "noaux_tc",
-        "n_group": moe.router.num_expert_groups or 1,
+        "topk_method": "noaux_tc" if model_type == "deepseek_v3" else "group_limited_greedy" if groups else "greedy",
+        "n_group": groups or 1,
         "topk_group": moe.router.num_limited_groups or 1,
         "q_lora_rank": attn.q_lora_rank or None,
         "kv_lora_rank": attn.kv_lora_rank,
