@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +282,27 @@ def test_sigmoid_deepseek_is_deepseek_v3_in_hf(tmp_path, needs_titan, monkeypatc
     assert hf_logits_gap(model, tmp_path) < 1e-3
     hf_config = json.loads((tmp_path / "config.json").read_text())
     assert (hf_config["model_type"], hf_config["topk_method"], hf_config["n_group"]) == ("deepseek_v3", "noaux_tc", 4)
+
+
+# -- the GPU check script ---------------------------------------------------------------
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_titan_gpu.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the script's refusal on machines without CUDA")
+def test_gpu_bench_refuses_without_cuda_in_one_line():
+    result = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == ["error: bench_titan_gpu needs a CUDA GPU (none is visible); it was not run"]
+
+
+def test_gpu_bench_configs_validate(tmp_path, needs_titan):
+    from i3core.config import load_config
+
+    spec = importlib.util.spec_from_file_location("bench_titan_gpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for family, flavor in bench.FAMILIES.items():
+        config, _ = load_config(bench.write_config(family, flavor, tmp_path, 2048))
+        assert (config.get("model").name, config.get("model").config.flavor) == ("torchtitan", flavor)
+        assert config.trainer.activation_memory == "checkpoint"
