@@ -113,6 +113,12 @@ def micro_batches(batch: TrainBatch, rows: int):
         }
 
 
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (DTensor; a collective), or ``value`` itself."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
+
+
 def _plain(value) -> float:
     """A float from a tensor that may be a DTensor (FSDP2 gives sharded scalars)."""
     full = getattr(value, "full_tensor", None)
@@ -202,12 +208,19 @@ class Trainer:
         return TrainBatch(**fields, num_samples=batch.num_samples)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded state dict on rank 0 (None elsewhere); a collective when sharded."""
+        """The unsharded state dict on rank 0, in host memory (None elsewhere); a collective when sharded.
+
+        Each tensor is gathered in turn, so a rank holds one unsharded tensor at a time. The model's own
+        ``state_dict`` names are kept (torch.distributed.checkpoint's walk of the module tree cannot follow
+        state-dict hooks that rename, such as torchtitan's fused QKV projection).
+        """
         if self.world == 1:
             return self.model.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {}
+        for key, value in self.model.state_dict().items():
+            full = _full_tensor(value)
+            if self.rank == 0:
+                state[key] = full.detach().cpu()
         return state if self.rank == 0 else None
 
     def _unsharded_model(self, state):

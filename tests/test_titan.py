@@ -181,6 +181,41 @@ def test_seeded_builds_are_reproducible(needs_titan):
     assert not torch.equal(first["layers.0.attention.wo.weight"], other.decoder.state_dict()["layers.0.attention.wo.weight"])
 
 
+PARALLELIZE_ON_CPU = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+import torchtitan.distributed.parallel_dims as parallel_dims
+parallel_dims.device_type = "cpu"  # torchtitan builds its meshes on CUDA only; gloo on CPU runs the same code
+from i3core.plugins.models import titan
+cfg = titan.TitanConfig(n_layers=2, activation_checkpointing=sys.argv[1], param_dtype="float32")
+model = titan.build_model(cfg, 260, "cpu", seed=0)
+ids = torch.randint(0, 260, (2, 16))
+with torch.no_grad():
+    before = model.logits(model(ids))
+hf_before = dict(titan.iter_hf_tensors(model))
+titan.parallelize_model(model, cfg, world=1, checkpoint=True, seq_len=64)
+with torch.no_grad():
+    after = model.logits(model(ids))
+hf_after = dict(titan.iter_hf_tensors(model))
+print(type(model.decoder).__name__, type(model.decoder.layers["0"]).__name__, type(next(model.parameters())).__name__)
+print(torch.equal(before, after), sorted(hf_after) == sorted(hf_before),
+      all(torch.equal(hf_after[k], hf_before[k]) for k in hf_before))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "port"), [("selective", "29541"), ("full", "29542")])
+def test_parallelize_applies_torchtitans_ac_and_fsdp2(mode, port, needs_titan):
+    """torchtitan's parallelize function on a one-rank gloo group: blocks checkpoint-wrapped, the decoder
+    FSDP2-sharded (DTensor parameters), the same logits, and ``to_hf`` over the shards gives the same tensors."""
+    result = subprocess.run([sys.executable, "-c", PARALLELIZE_ON_CPU, mode, port], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["FSDPQwen3Model", "FSDPCheckpointWrapper", "DTensor", "True", "True", "True"]
+
+
 # -- HF layout through torchtitan's state-dict adapter -------------------------------
 
 

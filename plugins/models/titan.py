@@ -21,6 +21,7 @@ state-dict adapter, ``save_hf``) is plain functions here and runs on CPU.
 """
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -415,8 +416,9 @@ class TorchTitan:
         self.config = config
 
     def build(self, seed: int = 0) -> TitanPolicy:
-        """The model on this rank's GPU, seeded or from ``init_from``."""
-        device = torch.device("cuda", torch.cuda.current_device())
+        """The model on this rank's GPU (``LOCAL_RANK``, as torchrun sets it), seeded or from ``init_from``."""
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
         return build_model(self.config, self.tokenizer().get_vocab_size(), device, seed)
 
     def parallelize(self, model: TitanPolicy, world: int, checkpoint: bool, seq_len: int) -> None:
