@@ -319,6 +319,56 @@ def test_sigmoid_deepseek_is_deepseek_v3_in_hf(tmp_path, needs_titan, monkeypatc
     assert (hf_config["model_type"], hf_config["topk_method"], hf_config["n_group"]) == ("deepseek_v3", "noaux_tc", 4)
 
 
+# -- i3core's trainer on the torchtitan model -------------------------------------------
+
+TRAINER_SCRIPT = Path(__file__).resolve().parent / "titan_cpu_trainer.py"
+
+
+def trainer_run(tmp_path, ranks: int) -> tuple[dict, dict]:
+    """One trainer step of the torchtitan model under torchrun on ``ranks`` gloo ranks (see titan_cpu_trainer.py):
+    (its metrics, the HF tensors it published as version 1)."""
+    from safetensors.torch import load_file
+
+    from i3core.packing import Sample, pack
+
+    out = tmp_path / f"ranks{ranks}"
+    (out / "batches").mkdir(parents=True)
+    config = out / "plugins.toml"
+    config.write_text(f'[run]\nname = "t"\noutput_dir = "{out}"\nmax_steps = 1\n\n'
+                      '[trainer]\nseq_len = 64\nmicro_batch_rows = 1\nactivation_memory = "checkpoint"\n\n'
+                      '[model]\nuse = "torchtitan"\nn_layers = 1\nparam_dtype = "float32"\n'
+                      'activation_checkpointing = "full"\n\n[env]\nuse = "arithmetic"\n\n[loss]\nuse = "icepop"\n\n'
+                      '[optimizer]\nuse = "adamw"\nlr = 0.01\n\n[weight_sync]\nuse = "filesystem"\n')
+    rng = torch.Generator().manual_seed(0)
+    samples = []
+    for i, n in enumerate((40, 30, 24, 20, 16, 12)):
+        ids = torch.randint(0, VOCAB_SIZE, (n,), generator=rng).tolist()
+        samples.append(Sample(ids, [False] * 4 + [True] * (n - 4), [-5.5] * n, [0] * n, 1.0 if i % 2 else -1.0))
+    torch.save(pack(samples, 64), out / "batches" / "step_1.pt")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(ranks), str(TRAINER_SCRIPT), str(config)],
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    metrics = json.loads((out / "trainer" / "step_1.json").read_text())
+    published = load_file(str(next(out.glob("broadcasts/*1/model.safetensors"))))
+    return metrics, published
+
+
+@pytest.mark.slow
+def test_trainer_step_on_two_sharded_ranks_matches_one_process(tmp_path, needs_titan):
+    """The real trainer path with torchtitan's AC and FSDP2 (see titan_cpu_trainer.py for the CPU stand-ins):
+    the step on two gloo ranks publishes the same weights as on one, and they moved."""
+    one, published_one = trainer_run(tmp_path, 1)
+    two, published_two = trainer_run(tmp_path, 2)
+    initial = dict(titan.iter_hf_tensors(titan.build_model(tiny(param_dtype="float32"), VOCAB_SIZE, "cpu", seed=0)))
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-4) and one["grad_norm"] > 0
+    assert set(published_one) == set(published_two) == set(initial)
+    for name, value in published_one.items():
+        assert torch.allclose(value, published_two[name], atol=1e-5), name
+    assert not torch.equal(published_one["model.layers.0.mlp.experts.0.gate_proj.weight"],
+                           initial["model.layers.0.mlp.experts.0.gate_proj.weight"])
+
+
 # -- the GPU check script ---------------------------------------------------------------
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_titan_gpu.py"

@@ -392,6 +392,9 @@ def parallelize_model(model: TitanPolicy, cfg: TitanConfig, world: int, checkpoi
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+    if seq_len > model.cfg.max_seq_len:
+        raise I3Error(f"trainer.seq_len ({seq_len}) exceeds the {model.cfg.max_seq_len} positions of "
+                      f"{model.spec.name} {model.spec.flavor}'s rotary embedding")
     parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend="partial_dtensor")
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
@@ -405,21 +408,27 @@ def parallelize_model(model: TitanPolicy, cfg: TitanConfig, world: int, checkpoi
     model.decoder = decoder
 
 
+def train_device() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``, as torchrun sets it), made current; without CUDA the one-line refusal."""
+    if not torch.cuda.is_available():
+        raise I3Error(CPU_REFUSAL)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 class TorchTitan:
     """Model component ``torchtitan``: the interface the trainer uses (build, parallelize, HF conversion)."""
 
     Config = TitanConfig
 
     def __init__(self, config: TitanConfig):
-        if not torch.cuda.is_available():
-            raise I3Error(CPU_REFUSAL)
+        train_device()  # refuse at once, before a run starts anything
         self.config = config
 
     def build(self, seed: int = 0) -> TitanPolicy:
-        """The model on this rank's GPU (``LOCAL_RANK``, as torchrun sets it), seeded or from ``init_from``."""
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return build_model(self.config, self.tokenizer().get_vocab_size(), device, seed)
+        """The model on this rank's GPU, seeded or from ``init_from``."""
+        return build_model(self.config, self.tokenizer().get_vocab_size(), train_device(), seed)
 
     def parallelize(self, model: TitanPolicy, world: int, checkpoint: bool, seq_len: int) -> None:
         """torchtitan's AC and FSDP2 on ``model`` (called by the trainer once, before the optimizer is built)."""
