@@ -140,8 +140,8 @@ def experts(iters: int) -> dict:
     ms = {b: 1000 * cuda_time(lambda layer=layer: step(layer), warmup=2, iters=iters) for b, layer in layers.items()}
     with torch.no_grad():
         diff = (layers["grouped_mm"](x) - layers["loop"](x)).abs().max().item()
-    return {"grouped_over_loop_speedup": round(ms["loop"] / ms["grouped_mm"], 2), "grouped_ms": round(ms["grouped_mm"], 2),
-            "loop_ms": round(ms["loop"], 2), "max_abs_diff": diff, **s}  # fmt: skip
+    return {"grouped_over_loop_speedup": round(ms["loop"] / ms["grouped_mm"], 2),
+            "grouped_ms": round(ms["grouped_mm"], 2), "loop_ms": round(ms["loop"], 2), "max_abs_diff": diff, **s}
 
 
 def main() -> int:

@@ -121,8 +121,7 @@ def _full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def _plain(value) -> float:
     """A float from a tensor that may be a DTensor (FSDP2 gives sharded scalars)."""
-    full = getattr(value, "full_tensor", None)
-    return float(full() if callable(full) else value)
+    return float(_full_tensor(value))
 
 
 class PublishedWeights:
@@ -155,8 +154,9 @@ class PublishedWeights:
 
 
 class Trainer:
-    """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded,
-    each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
+    """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded (a model
+    component with ``parallelize(model, world=, checkpoint=, seq_len=)`` shards and checkpoints its model
+    itself, on any number of ranks), each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
     FSDP2 averages gradients over ranks while the loss is already normalised by the global
     token count."""
 

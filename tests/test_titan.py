@@ -131,6 +131,11 @@ def test_good_config_resolves_to_torchtitans_spec(needs_titan):
     assert (moe.num_experts, moe.router.top_k, moe.routed_experts.inner_experts.hidden_dim) == (128, 8, 768)
 
 
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(needs_titan):
+    with pytest.raises(I3Error, match=r"model.vocab_size \(100\) is smaller than the tokenizer's 260 tokens"):
+        titan.model_spec(tiny(vocab_size=100), VOCAB_SIZE)
+
+
 def test_deepseek_spec_and_parallelize_signature(needs_titan):
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 
@@ -178,7 +183,8 @@ def test_seeded_builds_are_reproducible(needs_titan):
     other = titan.build_model(tiny(), VOCAB_SIZE, "cpu", seed=4)
     first = one.decoder.state_dict()
     assert all(torch.equal(first[k], v) for k, v in two.decoder.state_dict().items())
-    assert not torch.equal(first["layers.0.attention.wo.weight"], other.decoder.state_dict()["layers.0.attention.wo.weight"])
+    wo = "layers.0.attention.wo.weight"
+    assert not torch.equal(first[wo], other.decoder.state_dict()[wo])
 
 
 PARALLELIZE_ON_CPU = """
@@ -337,7 +343,7 @@ def trainer_run(tmp_path, ranks: int) -> tuple[dict, dict]:
     config.write_text(f'[run]\nname = "t"\noutput_dir = "{out}"\nmax_steps = 1\n\n'
                       '[trainer]\nseq_len = 64\nmicro_batch_rows = 1\nactivation_memory = "checkpoint"\n\n'
                       '[model]\nuse = "torchtitan"\nn_layers = 1\nparam_dtype = "float32"\n'
-                      'activation_checkpointing = "full"\n\n[env]\nuse = "arithmetic"\n\n[loss]\nuse = "icepop"\n\n'
+                      'activation_checkpointing = "selective"\n\n[env]\nuse = "arithmetic"\n\n[loss]\nuse = "icepop"\n\n'
                       '[optimizer]\nuse = "adamw"\nlr = 0.01\n\n[weight_sync]\nuse = "filesystem"\n')
     rng = torch.Generator().manual_seed(0)
     samples = []
@@ -378,7 +384,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_titan_gpu
 def test_gpu_bench_refuses_without_cuda_in_one_line():
     result = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == ["error: bench_titan_gpu needs a CUDA GPU (none is visible); it was not run"]
+    assert result.stderr.strip().splitlines() == [
+        "error: bench_titan_gpu needs a CUDA GPU (none is visible); it was not run"]
 
 
 def test_gpu_bench_configs_validate(tmp_path, needs_titan):

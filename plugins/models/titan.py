@@ -31,7 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from i3core.errors import I3Error
+from i3core.errors import I3Error, did_you_mean
 
 FAMILIES = {"qwen3": "torchtitan.models.qwen3", "deepseek_v3": "torchtitan.models.deepseek_v3"}
 """Model family -> the torchtitan package whose ``model_registry(flavor, ...)`` gives its ``ModelSpec``."""
@@ -58,14 +58,7 @@ def torchtitan_module(name: str):
 def flavors(family: str) -> list[str]:
     """torchtitan's named flavors of ``family`` that are mixture-of-experts models."""
     table = getattr(torchtitan_module(FAMILIES[family]), FLAVOR_TABLES[family])
-    return [name for name in table if _is_moe(table[name], family)]
-
-
-def _is_moe(factory, family: str) -> bool:
-    kwargs = {"attn_backend": "flex"}
-    if family == "deepseek_v3":
-        kwargs["moe_comm_backend"] = "standard"
-    return any(getattr(layer, "moe", None) is not None for layer in factory(**kwargs).layers)
+    return [name for name in table if any(layer.moe is not None for layer in _flavor_config(family, name).layers)]
 
 
 class TitanConfig(BaseModel):
@@ -89,8 +82,6 @@ class TitanConfig(BaseModel):
     def _flavor(self):
         known = flavors(self.family)
         if self.flavor not in known:
-            from i3core.errors import did_you_mean
-
             raise ValueError(f"unknown {self.family} flavor {self.flavor!r}{did_you_mean(self.flavor, known)}; "
                              f"MoE flavors: {', '.join(known)}")
         layers = _flavor_config(self.family, self.flavor, self.attn_backend).layers
@@ -105,7 +96,8 @@ class TitanConfig(BaseModel):
 # -- spec and model (any device) ---------------------------------------------
 
 
-def _flavor_config(family: str, flavor: str, attn_backend: str):
+def _flavor_config(family: str, flavor: str, attn_backend: str = "flex"):
+    """The flavor's ``Decoder.Config`` tree, as its torchtitan config function builds it."""
     kwargs = {"attn_backend": attn_backend}
     if family == "deepseek_v3":
         kwargs["moe_comm_backend"] = "standard"
@@ -118,6 +110,8 @@ def model_spec(cfg: TitanConfig, vocab_size: int):
     model = spec.model
     if cfg.n_layers is not None:
         model.layers = model.layers[: cfg.n_layers]
+    if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise I3Error(f"model.vocab_size ({cfg.vocab_size}) is smaller than the tokenizer's {vocab_size} tokens")
     vocab = cfg.vocab_size or vocab_size
     model.vocab_size = vocab
     model.tok_embeddings.num_embeddings = vocab
