@@ -96,7 +96,7 @@ def _whole_sample_at(versions: torch.Tensor, sequence_ids: torch.Tensor, mask: t
     """
     num = int(sequence_ids.max()) + 1
     off = (mask & (versions != version)).long()
-    bad = torch.zeros(num, dtype=torch.long).index_add_(0, sequence_ids, off)
+    bad = torch.zeros(num, dtype=torch.long, device=sequence_ids.device).index_add_(0, sequence_ids, off)
     return bad[sequence_ids] == 0
 
 
@@ -113,10 +113,15 @@ def micro_batches(batch: TrainBatch, rows: int):
         }
 
 
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (DTensor; a collective), or ``value`` itself."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
+
+
 def _plain(value) -> float:
     """A float from a tensor that may be a DTensor (FSDP2 gives sharded scalars)."""
-    full = getattr(value, "full_tensor", None)
-    return float(full() if callable(full) else value)
+    return float(_full_tensor(value))
 
 
 class PublishedWeights:
@@ -149,8 +154,9 @@ class PublishedWeights:
 
 
 class Trainer:
-    """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded,
-    each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
+    """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded (a model
+    component with ``parallelize(model, world=, checkpoint=, seq_len=)`` shards and checkpoints its model
+    itself, on any number of ranks), each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
     FSDP2 averages gradients over ranks while the loss is already normalised by the global
     token count."""
 
@@ -162,13 +168,18 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        parallelize = getattr(self.model_component, "parallelize", None)
+        if parallelize is not None:  # the model applies its own activation checkpointing and FSDP2
+            parallelize(self.model, world=self.world, checkpoint=config.trainer.activation_memory == "checkpoint",
+                        seq_len=config.trainer.seq_len)
+            return
         if config.trainer.activation_memory == "checkpoint":
             if not hasattr(self.model, "activation_checkpointing"):
                 raise I3Error(f"model {config.get('model').name} has no activation checkpointing: "
                               "use trainer.activation_memory = \"keep\" or \"offload\"")
             self.model.activation_checkpointing = True
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
         if self.world > 1:
             from torch.distributed.fsdp import fully_shard
 
@@ -197,12 +208,19 @@ class Trainer:
         return TrainBatch(**fields, num_samples=batch.num_samples)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded state dict on rank 0 (None elsewhere); a collective when sharded."""
+        """The unsharded state dict on rank 0, in host memory (None elsewhere); a collective when sharded.
+
+        Each tensor is gathered in turn, so a rank holds one unsharded tensor at a time. The model's own
+        ``state_dict`` names are kept (torch.distributed.checkpoint's walk of the module tree cannot follow
+        state-dict hooks that rename, such as torchtitan's fused QKV projection).
+        """
         if self.world == 1:
             return self.model.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {}
+        for key, value in self.model.state_dict().items():
+            full = _full_tensor(value)
+            if self.rank == 0:
+                state[key] = full.detach().cpu()
         return state if self.rank == 0 else None
 
     def _unsharded_model(self, state):
@@ -245,8 +263,9 @@ class Trainer:
             total = batch.loss_mask.sum().clamp_min(1)
             batch = self.local_rows(batch)
             optimizer.zero_grad(set_to_none=True)
-            lp = token_logprobs(self.model, batch.input_ids, batch.position_ids, self.config.trainer.logprob_chunk)
-            loss = -(lp * batch.loss_mask).sum() / total
+            lp = token_logprobs(self.model, batch.input_ids.to(self.device), batch.position_ids.to(self.device),
+                                self.config.trainer.logprob_chunk)
+            loss = -(lp * batch.loss_mask.to(self.device)).sum() / total
             (loss * self.world).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
             optimizer.step()
@@ -277,6 +296,8 @@ class Trainer:
         activation_bytes = 0
         for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
                                 batch.versions.split(tcfg.micro_batch_rows)):
+            mb = {key: value.to(self.device) for key, value in mb.items()}
+            versions = versions.to(self.device)
             with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
                 lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk)
             activation_bytes = max(activation_bytes, saved.bytes)

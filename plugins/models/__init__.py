@@ -2,8 +2,10 @@
 
 from i3core import hookimpl
 from i3core.plugins.models.tiny_moe import TinyMoE
+from i3core.plugins.models.titan import TorchTitan
 
 
 @hookimpl
 def i3_register_models(register):
     register("tiny-moe", TinyMoE)
+    register("torchtitan", TorchTitan)
