@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--backends", default="local,docker", help="comma-separated; docker is left out "
                         "where no engine answers")  # fmt: skip
     parser.add_argument("--concurrent", type=int, default=256, help="sandboxes alive at once (local)")
-    parser.add_argument("--docker-concurrent", type=int, default=64, help="sandboxes alive at once (docker)")
+    parser.add_argument("--docker-concurrent", type=int, default=256, help="sandboxes alive at once (docker)")
     parser.add_argument("--create-parallel", type=int, default=16, help="create() calls in flight at once")
     parser.add_argument("--execs", type=int, default=512, help="trivial execs timed one at a time")
     parser.add_argument("--exec-parallel", type=int, default=16, help="execs in flight for the throughput figure")
