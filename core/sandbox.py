@@ -119,13 +119,20 @@ def _open_dir_beneath(root_fd: int, parts: Sequence[str], create: bool, uid: int
         raise
 
 
-def read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``root/rel``, refusing symlinks anywhere on the way and special files."""
+def open_dir_beneath(root: str | Path, parts: Sequence[str], create: bool = False, uid: int = -1,
+                     gid: int = -1) -> int:  # fmt: skip
+    """An fd of the directory ``root/parts``; no symlink below ``root`` is followed (``root`` itself may be one,
+    e.g. ``/proc/<pid>/root``). :raises SandboxFileError: a component is a symlink, missing or not a directory."""
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        dir_fd = _open_dir_beneath(root_fd, rel.parts[:-1], create=False)
+        return _open_dir_beneath(root_fd, parts, create, uid, gid)
     finally:
         os.close(root_fd)
+
+
+def read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``root/rel``, refusing symlinks anywhere on the way and special files."""
+    dir_fd = open_dir_beneath(root, rel.parts[:-1])
     try:
         try:
             fd = os.open(rel.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -152,11 +159,7 @@ def write_beneath(root: Path, rel: PurePosixPath, data: bytes, uid: int = -1, gi
     symlink or FIFO the sandbox left at ``rel`` is replaced, never followed.
     ``uid``/``gid`` (-1: unchanged) own the new file and directories.
     """
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        dir_fd = _open_dir_beneath(root_fd, rel.parts[:-1], create=True, uid=uid, gid=gid)
-    finally:
-        os.close(root_fd)
+    dir_fd = open_dir_beneath(root, rel.parts[:-1], create=True, uid=uid, gid=gid)
     try:
         tmp = f".{rel.parts[-1]}.i3tmp{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)

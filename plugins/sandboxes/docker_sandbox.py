@@ -85,7 +85,7 @@ from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError
 from i3core.sandbox import (
-    READ_CHUNK, SandboxBase, SandboxConfig, argv, decode, read_beneath, relative_path, write_beneath,
+    READ_CHUNK, SandboxBase, SandboxConfig, argv, decode, open_dir_beneath, read_beneath, relative_path, write_beneath,
 )  # fmt: skip
 from i3core.types import ExecResult
 
@@ -232,9 +232,10 @@ class DockerBackend:
         """The work directory's fd (owned by the sandbox user) and the container's cgroup, through the host's /proc."""
         short = container_id[:12]
         try:
-            root = _open_workdir(init_pid, self.config.workdir)
-        except OSError as exc:
-            raise SandboxError(f"cannot reach docker sandbox {short} through /proc/{init_pid}/root ({exc.strerror}): "
+            root = open_dir_beneath(f"/proc/{init_pid}/root", PurePosixPath(self.config.workdir).parts[1:])
+        except (OSError, SandboxFileError) as exc:
+            raise SandboxError(f"cannot reach docker sandbox {short} through /proc/{init_pid}/root "
+                               f"({getattr(exc, 'strerror', None) or exc}): "
                                "the docker backend needs the engine on this machine and i3core running as "
                                "root") from None  # fmt: skip
         try:
@@ -525,20 +526,6 @@ def _ids(user: str) -> tuple[int, int]:
     """(uid, gid) of a ``uid[:gid]`` user; the gid defaults to the uid."""
     uid, _, gid = user.partition(":")
     return int(uid), int(gid or uid)
-
-
-def _open_workdir(init_pid: int, workdir: str) -> int:
-    """A directory fd of the container's work directory, walked from ``/proc/<pid>/root`` without symlinks."""
-    fd = os.open(f"/proc/{init_pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in PurePosixPath(workdir).parts[1:]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class _Cgroup:
