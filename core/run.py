@@ -21,6 +21,7 @@ import structlog
 from i3core.config import RunConfig, validate
 from i3core.errors import I3Error
 from i3core.manager import Plugins
+from i3core.lifetime import mark_run
 from i3core.trainer import RunPaths
 
 log = structlog.get_logger("i3core.run")
@@ -141,6 +142,7 @@ def train(run: Run) -> None:
     for stale in [paths.stop(), *paths.trainer.glob("step_*.json"), *paths.batches.glob("step_*.pt")]:
         stale.unlink(missing_ok=True)
     (run.output_dir / "logs").mkdir(exist_ok=True)
+    mark_run()  # the trainer and the servers stop by themselves if this process is killed
     trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
     trainer = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.trainer.nproc),

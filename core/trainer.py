@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from i3core.config import RunConfig, load_config
 from i3core.errors import I3Error
 from i3core.files import atomic_write_bytes
+from i3core.lifetime import run_gone
 from i3core.packing import Sample, pack
 from i3core.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
@@ -277,7 +278,7 @@ class Trainer:
     def wait_for_batch(self, step: int) -> TrainBatch | None:
         path = self.paths.batch(step)
         while not path.exists():
-            if self.paths.stop().exists():
+            if self.paths.stop().exists() or run_gone():  # a killed run cannot write the stop file
                 return None
             time.sleep(BATCH_POLL_S)
         return torch.load(path, weights_only=False)
@@ -438,6 +439,7 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from i3core.lifetime import terminate_with_run
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.inference.protocol import (
     CHAT_FIELDS,
@@ -359,6 +360,7 @@ def main(argv=None) -> None:
     parser.add_argument("--receiver", default=None, help="weight-sync receiver spec (JSON) to take broadcasts from")
     parser.add_argument("--receiver-rank", type=int, default=1, help="this server's rank in the broadcast group")
     args = parser.parse_args(argv)
+    terminate_with_run()  # started by `i3core run`: stop (SIGTERM, a graceful exit) if that run is killed
     torch.set_num_threads(args.threads)
     if args.engine == "simulated":
         from i3core.plugins.inference.simulated import TimingModel, simulated_engine
