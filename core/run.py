@@ -115,6 +115,9 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
                 hint="the training loop needs " + ", ".join(f"[{s}]" for s in TRAINING_SECTIONS),
             )
         else:
+            can_train = getattr(run.components["model"], "check_can_train", None)
+            if can_train is not None:  # the trainer runs on this machine: a model that cannot says so now
+                can_train()
             log.info("starting", built=built)
             train(run)
         status = "completed"
@@ -200,10 +203,24 @@ def _wait_for_version_0(trainer: subprocess.Popen, sync, paths: RunPaths, out: P
     deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
     while not sync.is_ready(paths.broadcasts, 0):
         if trainer.poll() is not None:
-            raise I3Error(f"the trainer exited with {trainer.returncode} before publishing weights; see {out}/logs/trainer.log")
+            raise trainer_failure(trainer.returncode, out, "before publishing weights")
         if time.monotonic() > deadline:
             raise I3Error(f"the trainer published no weights in {TRAINER_START_TIMEOUT_S:.0f}s")
         time.sleep(0.1)
+
+
+def trainer_failure(returncode: int, out: Path, when: str = "") -> I3Error:
+    """The trainer's own one-line error (its last ``error: ...`` line in logs/trainer.log, e.g. a model that
+    refuses this machine), or where to look."""
+    log_path = out / "logs" / "trainer.log"
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if errors:
+        return I3Error(errors[-1])
+    return I3Error(f"the trainer exited with {returncode}{' ' + when if when else ''}; see {log_path}")
 
 
 async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None:
@@ -211,7 +228,7 @@ async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None
         while trainer.poll() is None:
             await asyncio.sleep(0.2)
         if trainer.returncode != 0:
-            raise I3Error(f"the trainer exited with {trainer.returncode}; see logs/trainer.log")
+            raise trainer_failure(trainer.returncode, orchestrator.config.run.out)
 
     main = asyncio.create_task(orchestrator.run())
     guard = asyncio.create_task(watch_trainer())

@@ -27,6 +27,8 @@ from typing import Any
 
 import structlog
 
+from i3core.errors import RolloutMasked, SandboxError
+
 log = structlog.get_logger("i3core.envs.rubric")
 
 ROLLOUT_ARGS = ("prompt", "completion", "answer", "state", "info", "task", "example")
@@ -115,7 +117,8 @@ class Rubric:
         score = Score()
         for func, result in zip(funcs, results):
             value, failed = _value(func, result, state["example"].id)
-            score.reward += func.weight * value
+            if func.weight:  # a metric (weight 0) never enters the reward, not even as a NaN
+                score.reward += func.weight * value
             score.metrics[func.name] = value
             score.metrics[f"rubric_error/{func.name}"] = float(failed)
         return score
@@ -129,12 +132,14 @@ class Rubric:
         results = await asyncio.gather(*(f.call(available) for f in funcs), return_exceptions=True)
         scores = [Score() for _ in states]
         for func, result in zip(funcs, results):
-            if not isinstance(result, BaseException) and len(result) != len(states):
-                result = ValueError(f"returned {len(result)} values for a group of {len(states)}")
+            if not isinstance(result, BaseException) and (not hasattr(result, "__len__") or len(result) != len(states)):
+                got = f"{len(result)} values" if hasattr(result, "__len__") else type(result).__name__
+                result = ValueError(f"returned {got} for a group of {len(states)}")
             for i, score in enumerate(scores):
                 value, failed = _value(func, result if isinstance(result, BaseException) else result[i],
                                        states[i]["example"].id)
-                score.reward += func.weight * value
+                if func.weight:
+                    score.reward += func.weight * value
                 score.metrics[func.name] = value
                 score.metrics[f"rubric_error/{func.name}"] = float(failed)
         return scores
@@ -143,8 +148,8 @@ class Rubric:
 def _value(func: RewardFunc, result, example_id: str) -> tuple[float, bool]:
     """The function's value and whether it failed (raised, or returned something that is not a number)."""
     if isinstance(result, BaseException):
-        if not isinstance(result, Exception):
-            raise result
+        if not isinstance(result, Exception) or isinstance(result, SandboxError | RolloutMasked):
+            raise result  # a cancellation, or the sandbox failed (not the function): the rollout is masked
         log.warning("reward function failed; scored 0", func=func.name, example=example_id,
                     error=f"{type(result).__name__}: {result}")
         return 0.0, True

@@ -21,6 +21,9 @@ ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 MAX_EXPRESSION_CHARS = 200
 """Longer expressions are refused (a model could ask for 9**9**9)."""
 MAX_POWER = 64
+MAX_RESULT_BITS = 4096
+"""A power whose result would be wider than this is refused before it is computed (nested powers such as
+((9**64)**64)**64 would otherwise take seconds to hours, and memory)."""
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod, ast.Pow: operator.pow, ast.Div: operator.truediv}
 
@@ -44,8 +47,12 @@ def _eval(node):
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > MAX_POWER:
-            raise ValueError(f"exponent above {MAX_POWER}")
+        if isinstance(node.op, ast.Pow):
+            if abs(right) > MAX_POWER:
+                raise ValueError(f"exponent above {MAX_POWER}")
+            wide = isinstance(left, int) and isinstance(right, int) and abs(left).bit_length() * abs(right)
+            if wide and wide > MAX_RESULT_BITS:
+                raise ValueError(f"result wider than {MAX_RESULT_BITS} bits")
         return _OPS[type(node.op)](left, right)
     raise ValueError(f"unsupported expression element: {type(node).__name__}")
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import pydantic
 from pydantic import Field
 
+from i3core.errors import RolloutMasked, SandboxError
 from i3core.plugins.envs.multiturn import MultiTurnConfig, MultiTurnEnv
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -168,11 +169,16 @@ class ToolEnv(MultiTurnEnv):
         except TypeError as exc:
             return f"Error: bad arguments for {name}: {exc}"
         try:
-            result = func(**args)
-            if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, self.config.tool_timeout_s)
+            if inspect.iscoroutinefunction(func):
+                result = await asyncio.wait_for(func(**args), self.config.tool_timeout_s)
+            else:  # off the event loop, so a slow tool stalls only its own rollout, and only until the timeout
+                result = await asyncio.wait_for(asyncio.to_thread(func, **args), self.config.tool_timeout_s)
+                if inspect.isawaitable(result):
+                    result = await asyncio.wait_for(result, self.config.tool_timeout_s)
         except TimeoutError:
             return f"Error: {name} timed out after {self.config.tool_timeout_s:g}s"
+        except (SandboxError, RolloutMasked):  # the sandbox failed, not the model's call: the rollout is masked
+            raise
         except Exception as exc:  # the model's call failed: it reads why
             return f"Error: {type(exc).__name__}: {exc}"
         text = result if isinstance(result, str) else json.dumps(result, default=str)

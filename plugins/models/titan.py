@@ -417,11 +417,15 @@ class TorchTitan:
     Config = TitanConfig
 
     def __init__(self, config: TitanConfig):
-        train_device()  # refuse at once, before a run starts anything
-        self.config = config
+        self.config = config  # no device here: the orchestrator (a CPU node) builds this component for its tokenizer
+
+    def check_can_train(self) -> None:
+        """``i3core run`` trains on this machine: refuse at once, before anything starts, without CUDA."""
+        if not torch.cuda.is_available():
+            raise I3Error(CPU_REFUSAL)
 
     def build(self, seed: int = 0) -> TitanPolicy:
-        """The model on this rank's GPU, seeded or from ``init_from``."""
+        """The model on this rank's GPU, seeded or from ``init_from``; without CUDA, the one-line refusal."""
         return build_model(self.config, self.tokenizer().get_vocab_size(), train_device(), seed)
 
     def parallelize(self, model: TitanPolicy, world: int, checkpoint: bool, seq_len: int) -> None:
