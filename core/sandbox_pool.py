@@ -37,7 +37,7 @@ class SandboxPool:
 
     :param warm: sandboxes kept created and idle ahead of demand (cold starts
         leave the rollout's critical path).
-    :param max_concurrent: most sandboxes leased at once; further leases wait.
+    :param max_concurrent: most sandboxes leased (or being reset after a lease) at once; further leases wait.
     :param reuse: reset a sandbox after a lease and hand it out again (else
         close it).
     :param health_interval_s: how often a leased sandbox's ``alive()`` is polled.
@@ -78,37 +78,42 @@ class SandboxPool:
         """One sandbox for the block; a sandbox failure inside it becomes ``RolloutMasked('sandbox_failed')``."""
         if self._closed:
             raise SandboxError("the sandbox pool is closed")
-        async with self._slots:
-            try:
-                sandbox = await self._take()
-            except SandboxError as exc:
+        await self._slots.acquire()  # released once the sandbox is back: reset (or closed) after the lease
+        try:
+            sandbox = await self._take()
+        except BaseException as exc:
+            self._slots.release()
+            if isinstance(exc, SandboxError):
                 self.stats["failed"] += 1
                 raise RolloutMasked(SANDBOX_FAILED, f"no sandbox could be started: {exc}") from None
-            task = asyncio.current_task()
-            dead = asyncio.Event()
-            watcher = asyncio.create_task(self._watch(sandbox, task, dead))
-            self.stats["leased"] += 1
-            failed = False
-            try:
-                yield sandbox
-            except SandboxError as exc:
-                failed = True
-                raise RolloutMasked(SANDBOX_FAILED, str(exc)) from None
-            except asyncio.CancelledError:
-                if not dead.is_set():
-                    raise
-                failed = True
+            raise
+        task = asyncio.current_task()
+        dead = asyncio.Event()
+        watcher = asyncio.create_task(self._watch(sandbox, task, dead))
+        self.stats["leased"] += 1
+        failed = False
+        try:
+            yield sandbox
+        except SandboxError as exc:
+            failed = True
+            if dead.is_set():  # the watcher's cancel turned into this error on its way out
                 task.uncancel()
-                raise RolloutMasked(SANDBOX_FAILED, f"sandbox {sandbox.id} died during the rollout") from None
-            finally:
-                self.stats["leased"] -= 1
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
-                failed = failed or dead.is_set()
-                if failed:
-                    self.stats["failed"] += 1
-                    log.warning("sandbox failed during a rollout", sandbox=sandbox.id)
-                self._give_back(sandbox, failed)
+            raise RolloutMasked(SANDBOX_FAILED, str(exc)) from None
+        except asyncio.CancelledError:
+            if not dead.is_set():
+                raise
+            failed = True
+            task.uncancel()
+            raise RolloutMasked(SANDBOX_FAILED, f"sandbox {sandbox.id} died during the rollout") from None
+        finally:
+            self.stats["leased"] -= 1
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            failed = failed or dead.is_set()
+            if failed:
+                self.stats["failed"] += 1
+                log.warning("sandbox failed during a rollout", sandbox=sandbox.id)
+            self._give_back(sandbox, failed)
 
     async def close(self) -> None:
         """Close every idle sandbox, stop refilling, and close the backend (which closes any still leased)."""
@@ -150,10 +155,19 @@ class SandboxPool:
             self._refilling -= 1
 
     def _give_back(self, sandbox: Sandbox, failed: bool) -> None:
-        if failed or not self.reuse or self._closed:
-            self._spawn(_close_quietly(sandbox))
-        else:
-            self._spawn(self._reset(sandbox))
+        """Reset (or close) ``sandbox`` in the background; its lease slot is freed when that is done, so at most
+        ``max_concurrent`` sandboxes are ever leased or being reset, and ``warm`` more idle."""
+
+        async def give_back():
+            try:
+                if failed or not self.reuse or self._closed:
+                    await _close_quietly(sandbox)
+                else:
+                    await self._reset(sandbox)
+            finally:
+                self._slots.release()
+
+        self._spawn(give_back())
 
     async def _reset(self, sandbox: Sandbox) -> None:
         try:

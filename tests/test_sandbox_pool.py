@@ -154,3 +154,24 @@ def test_other_cancellations_pass_through(tmp_path):
             await pool.close()
 
     run(go())
+
+
+def test_reuse_keeps_the_number_of_sandboxes_at_the_cap(tmp_path):
+    """A slot is freed only once its sandbox is reset, so a busy pool reuses instead of making more."""
+
+    async def go():
+        pool = pool_for(tmp_path, max_concurrent=2)
+
+        async def rollout():
+            async with pool.lease() as sb:
+                await sb.write_file("x", "y")
+
+        try:
+            for _ in range(4):
+                await asyncio.gather(*(rollout() for _ in range(3)))
+        finally:
+            await pool.close()
+        assert pool.stats["created"] == 2, pool.stats
+        assert pool.stats["reset"] >= 10
+
+    run(go())
