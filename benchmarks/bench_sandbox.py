@@ -115,7 +115,9 @@ async def measure(name: str, args, workdir: Path) -> dict:
 
         async def one(i):
             async with gate:
-                await sandboxes[i % len(sandboxes)].exec(["true"], timeout=60)
+                result = await sandboxes[i % len(sandboxes)].exec(["true"], timeout=60)
+            if result.exit_code != 0:
+                raise RuntimeError(f"{name}: `true` failed under load: {result}")
 
         start = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(args.execs)))
