@@ -66,6 +66,9 @@ NONFINITE_REWARD = "nonfinite_reward"
 """Masked reason of a rollout whose reward is NaN or infinite (from the env or a reshaping plugin)."""
 NONFINITE_LOGPROB = "nonfinite_logprob"
 """Masked reason of a rollout with a NaN or infinite logprob on a model token (from the server)."""
+NO_MODEL_TOKENS = "no_model_tokens"
+"""Masked reason of a rollout that ended before the model generated a token (a multi-turn timeout or a full
+context before the first turn): nothing to train, and no version to judge its staleness by."""
 
 
 @dataclass
@@ -325,8 +328,8 @@ class Orchestrator:
             self.ledger.mask(FILTERED, len(group.rollouts))
             return
         kept = []
-        for rollout in group.rollouts:  # after every plugin had its say: nothing non-finite reaches a batch
-            reason = _nonfinite(rollout)
+        for rollout in group.rollouts:  # after every plugin had its say: nothing untrainable reaches a batch
+            reason = _untrainable(rollout)
             if reason is None:
                 kept.append(rollout)
             else:
@@ -485,8 +488,10 @@ class Orchestrator:
             raise I3Error(f"every inference server has been down for {self.all_down_timeout_s:.0f}s")
 
 
-def _nonfinite(rollout: Rollout) -> str | None:
-    """Why ``rollout`` must not be trained on (a NaN/inf reward or model-token logprob), or None."""
+def _untrainable(rollout: Rollout) -> str | None:
+    """Why ``rollout`` must not be trained on (a NaN/inf reward or model-token logprob, no model token), or None."""
+    if not rollout.model_versions:
+        return NO_MODEL_TOKENS
     if not math.isfinite(rollout.reward):
         return NONFINITE_REWARD
     if any(m and not math.isfinite(lp) for lp, m in zip(rollout.completion_logprobs, rollout.completion_mask)):

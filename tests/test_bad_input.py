@@ -99,3 +99,20 @@ def test_nonfinite_rewards_and_logprobs_are_masked_counted_and_never_trained_on(
         assert metrics["rollouts/masked"] == nan_rewards + nan_logprobs
         assert metrics["rollouts/started"] == sum(metrics[k] for k in LEDGER)
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["reward/mean"])
+
+
+def test_untrainable_rollouts_are_named():
+    """What the orchestrator masks before packing, by reason: no model token, a non-finite reward or logprob."""
+    from i3core.orchestrator import NO_MODEL_TOKENS, NONFINITE_LOGPROB, NONFINITE_REWARD, _untrainable
+    from i3core.types import Example, Rollout
+
+    def rollout(mask, logprobs=None, reward=1.0):
+        logprobs = logprobs or [-0.5] * len(mask)
+        return Rollout(Example("e", "p"), [1], list(range(len(mask))), logprobs, [3] * len(mask), mask, reward=reward)
+
+    assert _untrainable(rollout([True, False])) is None
+    assert _untrainable(rollout([False, False])) == NO_MODEL_TOKENS  # only env tokens: nothing the model sampled
+    assert _untrainable(rollout([])) == NO_MODEL_TOKENS
+    assert _untrainable(rollout([True], reward=float("nan"))) == NONFINITE_REWARD
+    assert _untrainable(rollout([True, False], [float("-inf"), 0.0])) == NONFINITE_LOGPROB
+    assert _untrainable(rollout([False, True], [float("nan"), -1.0])) is None  # an env token's logprob is unused
