@@ -16,6 +16,17 @@ DEBUG_ENV = "I3CORE_DEBUG"
 """Set to 1 to let unexpected exceptions show their traceback."""
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="path to a plugins.toml")
     parser.add_argument(
@@ -174,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("env", help="a registered env name, or a plugins.toml whose [env] (and [model]) to use")
     evaluate.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
                           help="an env option (TOML value, e.g. --set max_turns=3); repeatable")
-    evaluate.add_argument("--n", type=int, default=20, help="dataset rows to roll out (the first N)")
-    evaluate.add_argument("--rollouts-per-example", type=int, default=1, help="rollouts of each row (a group)")
-    evaluate.add_argument("--concurrency", type=int, default=8, help="rollouts in flight at once")
+    evaluate.add_argument("--n", type=positive_int, default=20, help="dataset rows to roll out (the first N)")
+    evaluate.add_argument("--rollouts-per-example", type=positive_int, default=1, help="rollouts of each row (a group)")
+    evaluate.add_argument("--concurrency", type=positive_int, default=8, help="rollouts in flight at once")
     evaluate.add_argument("--server", default=None, help="base URL of a running server (builtin or vLLM)")
     evaluate.add_argument("--model", default="tiny-moe", help="model component: its tokenizer, and its weights "
                           "when a server is started here")
@@ -324,8 +335,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from i3core.launch import Sizes, launch_files, write
 
     if not args.dry_run:
-        raise I3Error("i3core launch only renders for now: add --dry-run, then submit the files with "
-                      "sbatch or kubectl apply -f")
+        raise UsageError("i3core launch only renders for now: add --dry-run, then submit the files with "
+                         "sbatch or kubectl apply -f")
     config, _ = _role_config(argparse.Namespace(config=args.config, overrides=[]))
     sizes = Sizes(trainer_nodes=args.trainer_nodes, inference_nodes=args.inference_nodes,
                   gpus_per_node=args.gpus_per_node, gpu_partition=args.partition, cpu_partition=args.cpu_partition,

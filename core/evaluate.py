@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from i3core.errors import I3Error, RolloutMasked
+from i3core.errors import I3Error
 from i3core.types import Rollout
 
 
@@ -64,7 +64,7 @@ async def evaluate(env, client, *, n: int, rollouts_per_example: int = 1, concur
         async with gate:
             try:
                 return await env.rollout(client, example)
-            except (RolloutMasked, Exception) as exc:  # reported, the evaluation goes on
+            except Exception as exc:  # a masked or failed rollout is reported; the evaluation goes on
                 failed.append((example.id, f"{type(exc).__name__}: {exc}"))
                 return None
 
@@ -158,9 +158,12 @@ async def _evaluate_with(env, client, sandbox, args) -> EvalResult:
         if sandbox is not None:
             from i3core.sandbox_pool import SandboxPool
 
+            bind = getattr(env, "bind_sandboxes", None)
+            if bind is None:
+                raise I3Error("--sandbox: this env runs no code, it takes no sandbox")
             pool = SandboxPool.for_backend(sandbox)
             await pool.start()
-            env.bind_sandboxes(pool)
+            bind(pool)
         return await evaluate(env, client, n=args.n, rollouts_per_example=args.rollouts_per_example,
                               concurrency=args.concurrency, seed=args.seed)
     finally:

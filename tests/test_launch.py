@@ -106,7 +106,7 @@ def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path):
 
 def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path):
     plain = run_cli("launch", QUICKSTART)
-    assert plain.returncode == 1 and plain.stderr.splitlines() == [
+    assert plain.returncode == 2 and plain.stderr.splitlines() == [  # a usage error, like sandbox manifests
         "error: i3core launch only renders for now: add --dry-run, then submit the files with sbatch or "
         "kubectl apply -f"]
     config = tmp_path / "p.toml"
