@@ -42,8 +42,13 @@ def group_advantages(rewards: list[float]) -> list[float]:
 
 
 def turn_returns(rollout: Rollout) -> list[float]:
-    """``G_t``: the reward of turn ``t`` and every later turn; one turn holding all of ``reward`` if none are given."""
-    rewards = rollout.turn_rewards or [rollout.reward]
+    """``G_t``: the reward of turn ``t`` and every later turn; one turn holding all of ``reward`` if none are given.
+
+    ``reward`` is the truth: whatever it holds beyond the turn rewards (a rubric's final score, a plugin's
+    reshaping in ``i3_on_group_scored``) counts on the last turn, so ``G_0 == reward`` always.
+    """
+    rewards = list(rollout.turn_rewards) or [rollout.reward]
+    rewards[-1] += rollout.reward - sum(rewards)
     return [sum(rewards[t:]) for t in range(len(rewards))]
 
 

@@ -210,3 +210,13 @@ def test_a_run_refuses_rollouts_longer_than_the_servers_or_the_trainer_hold(buil
     with pytest.raises(I3Error, match="trainer.seq_len is 256"):
         check({"use": "tool-calc", "max_total_tokens": 300}, 512, 256)
     check({"use": "reverse-text"}, 64, 64)  # unbounded single-turn envs are not checked
+
+
+def test_turn_returns_follow_a_reshaped_reward():
+    """An i3_on_group_scored plugin changes ``reward`` only: the difference counts on the last turn."""
+    from i3core.packing import turn_returns
+
+    rollout = turn_rollout([0.5, 0.5], [0, 1])
+    assert turn_returns(rollout) == pytest.approx([1.0, 0.5])
+    rollout.reward = 2.0  # reshaped after the env scored it
+    assert turn_returns(rollout) == pytest.approx([2.0, 1.5])
