@@ -133,13 +133,14 @@ def build_env(target: str, options: list[str], model_name: str):
 
 def run_eval(args) -> tuple[EvalResult, str]:
     """What ``i3core env eval`` does with its parsed arguments: (the result, the env's name)."""
+    from i3core.run import stop_token_ids
     from i3core.testing import make_component
 
     env, model, plugins, name = build_env(args.env, args.options, args.model)
     if getattr(env, "requires_sandbox", False) and args.sandbox is None:
         raise I3Error(f"env {name!r} runs code: pass --sandbox (e.g. --sandbox local)")
     tokenizer = model.tokenizer()
-    stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
+    stop_ids = stop_token_ids(model, env)
     sandbox = None if args.sandbox is None else make_component("sandbox", args.sandbox, plugins=plugins)
     with contextlib.ExitStack() as stack:
         if args.server is None:

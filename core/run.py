@@ -162,7 +162,7 @@ def train(run: Run) -> None:
         _wait_for_version_0(trainer, sync, paths, run.output_dir)
         model = run.components["model"]
         tokenizer = model.tokenizer()
-        stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
+        stop_ids = stop_token_ids(model, env)
         extra = {} if receiver is None else {"receiver": receiver}
         urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs", **extra)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
@@ -197,6 +197,11 @@ def _check_rollout_length(env, config: RunConfig, source) -> None:
     if bound > config.trainer.seq_len:
         raise I3Error(f"env {name!r} rollouts reach {bound} tokens (max_total_tokens) but trainer.seq_len is "
                       f"{config.trainer.seq_len}: a rollout must fit one packed row")
+
+
+def stop_token_ids(model, env) -> list[int]:
+    """Where the servers stop a completion: the env's stop text (as tokens) and the model's end of sequence."""
+    return model.tokenizer().encode(env.stop_text).ids + [model.eos_token_id]
 
 
 def _wait_for_version_0(trainer: subprocess.Popen, sync, paths: RunPaths, out: Path) -> None:
