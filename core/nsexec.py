@@ -19,7 +19,8 @@ datagram, one fork of that small server and one execve.
 Files go beneath the work directory with
 :func:`~i3core.sandbox.read_beneath`/:func:`~i3core.sandbox.write_beneath`
 (no symlink ever followed), through a host path of it (the local backend's
-backing directory, or ``/proc/<pid>/root/<workdir>`` for the agent).
+backing directory, or for the agent ``/proc/self/fd/N`` of the work
+directory it opened once at startup).
 
 Limits come from cgroup v1 controllers (memory, pids, cpu) where the host
 lets us make child cgroups of our own; without a memory cgroup, memory is an
@@ -32,7 +33,6 @@ import math
 import os
 import re
 import select
-import shutil
 import socket
 import subprocess
 import sys
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from i3core.errors import SandboxError, SandboxFileError
-from i3core.sandbox import SandboxConfig, decode, read_beneath, read_capped, relative_path, write_beneath
+from i3core.errors import SandboxError
+from i3core.sandbox import SandboxConfig, as_bytes, decode, read_beneath, read_capped, relative_path, write_beneath
 from i3core.types import ExecResult
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -212,7 +212,7 @@ class Jail:
     gid: int
     limits: SandboxConfig
     files: Path
-    """A host path of the work directory, for read_file/write_file/reset."""
+    """A host path of the work directory, for read_file/write_file (``/proc/self/fd/N`` where it is held open)."""
     cgroup: Cgroup | None = None
 
     def rlimits(self, timeout: float) -> dict[str, int]:
@@ -447,35 +447,37 @@ async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.ReadTrans
 
 async def write_file(jail: Jail, path: str, data: bytes | str) -> None:
     """Create or replace ``path`` beneath the work directory, owned by the sandbox user."""
-    if isinstance(data, str):
-        data = data.encode()
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"write_file needs bytes or str, got {type(data).__name__}")
+    payload = as_bytes(data)
     rel = relative_path(path, jail.limits.workdir)
-    try:
-        await asyncio.to_thread(write_beneath, jail.files, rel, bytes(data), jail.uid, jail.gid)
-    except SandboxFileError:
-        raise
-    except OSError as exc:
-        raise SandboxFileError(f"{path!r}: {exc.strerror}") from None
+    await asyncio.to_thread(write_beneath, jail.files, rel, payload, jail.uid, jail.gid)
 
 
 async def read_file(jail: Jail, path: str) -> bytes:
     """The bytes of ``path`` beneath the work directory, at most ``max_file_bytes``."""
     rel = relative_path(path, jail.limits.workdir)
+    return await asyncio.to_thread(read_beneath, jail.files, rel, jail.limits.max_file_bytes)
+
+
+# --- the target's liveness ----------------------------------------------------------------------
+
+
+def check_alive(pidfd: int, what: str) -> None:
+    """:raises SandboxError: the process behind ``pidfd`` has exited (its pid may name another process by now)."""
+    if select.select([pidfd], [], [], 0)[0]:
+        raise SandboxError(f"{what}: its init process is gone")
+
+
+def open_root(pid: int, pidfd: int, what: str) -> int:
+    """An fd of the root directory of ``pid``, checked after opening to still be the process of ``pidfd`` (a pid
+    reused after the process died is refused)."""
     try:
-        return await asyncio.to_thread(read_beneath, jail.files, rel, jail.limits.max_file_bytes)
-    except SandboxFileError:
-        raise
+        fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise SandboxFileError(f"{path!r}: {exc.strerror}") from None
-
-
-def empty_dir(root: Path) -> None:
-    """Remove everything in ``root`` (its processes already killed); symlinks are removed, never followed."""
-    with os.scandir(root) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+        check_alive(pidfd, what)
+        raise SandboxError(f"{what}: cannot open its root ({exc.strerror})") from None
+    try:
+        check_alive(pidfd, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

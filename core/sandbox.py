@@ -8,6 +8,8 @@ sandbox agent (``i3core sandbox-agent``) uses it too.
 
 import asyncio
 import os
+import secrets
+import shutil
 import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -130,8 +132,29 @@ def open_dir_beneath(root: str | Path, parts: Sequence[str], create: bool = Fals
         os.close(root_fd)
 
 
+def as_bytes(data) -> bytes:
+    """What ``write_file`` writes: a str as UTF-8, bytes-like as it is. :raises TypeError: anything else."""
+    if isinstance(data, str):
+        return data.encode()
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"write_file needs bytes or str, got {type(data).__name__}")
+    return bytes(data)
+
+
 def read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
-    """The bytes of the regular file ``root/rel``, refusing symlinks anywhere on the way and special files."""
+    """The bytes of the regular file ``root/rel``, refusing symlinks anywhere on the way and special files.
+
+    :raises SandboxFileError: for every failure, an OSError included (one line, the path and its reason).
+    """
+    try:
+        return _read_beneath(root, rel, max_bytes)
+    except SandboxFileError:
+        raise
+    except OSError as exc:
+        raise SandboxFileError(f"{str(rel)!r}: {exc.strerror or exc}") from None
+
+
+def _read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
     dir_fd = open_dir_beneath(root, rel.parts[:-1])
     try:
         try:
@@ -155,13 +178,26 @@ def read_beneath(root: Path, rel: PurePosixPath, max_bytes: int) -> bytes:
 def write_beneath(root: Path, rel: PurePosixPath, data: bytes, uid: int = -1, gid: int = -1) -> None:
     """Create or replace ``root/rel`` (parents made), refusing symlinks anywhere on the way.
 
-    The file is written under a temporary name and renamed over ``rel``, so a
-    symlink or FIFO the sandbox left at ``rel`` is replaced, never followed.
-    ``uid``/``gid`` (-1: unchanged) own the new file and directories.
+    The file is written under a random temporary name and renamed over ``rel``,
+    so a symlink or FIFO the sandbox left at ``rel`` is replaced, never
+    followed. ``uid``/``gid`` (-1: unchanged) own the new file and directories.
+
+    :raises SandboxFileError: for every failure, an OSError (ENOSPC, EROFS, ...) included.
     """
+    try:
+        _write_beneath(root, rel, data, uid, gid)
+    except IsADirectoryError:
+        raise SandboxFileError(f"{str(rel)!r} is a directory") from None
+    except SandboxFileError:
+        raise
+    except OSError as exc:
+        raise SandboxFileError(f"{str(rel)!r}: {exc.strerror or exc}") from None
+
+
+def _write_beneath(root: Path, rel: PurePosixPath, data: bytes, uid: int, gid: int) -> None:
     dir_fd = open_dir_beneath(root, rel.parts[:-1], create=True, uid=uid, gid=gid)
     try:
-        tmp = f".{rel.parts[-1]}.i3tmp{os.getpid()}"
+        tmp = f".i3tmp-{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
         try:
             with os.fdopen(fd, "wb") as file:
@@ -175,10 +211,19 @@ def write_beneath(root: Path, rel: PurePosixPath, data: bytes, uid: int = -1, gi
             except OSError:
                 pass
             raise
-    except IsADirectoryError:
-        raise SandboxFileError(f"{str(rel)!r} is a directory") from None
     finally:
         os.close(dir_fd)
+
+
+def empty_dir_fd(dir_fd: int) -> None:
+    """Remove everything in the directory ``dir_fd`` (its processes already killed), relative to that fd: a
+    renamed parent or a planted symlink cannot redirect it; symlinks inside are removed, never followed."""
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.name, dir_fd=dir_fd)
+            else:
+                os.unlink(entry.name, dir_fd=dir_fd)
 
 
 class SandboxBase:

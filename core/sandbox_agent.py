@@ -32,7 +32,7 @@ import select
 import signal
 import time
 from dataclasses import asdict
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import aiohttp
 import structlog
@@ -42,7 +42,7 @@ from pydantic import ValidationError
 from i3core import nsexec
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox import SandboxConfig, argv
+from i3core.sandbox import SandboxConfig, argv, empty_dir_fd, open_dir_beneath
 
 log = structlog.get_logger("i3core.sandbox_agent")
 
@@ -87,10 +87,13 @@ def _error(status: int, message: str) -> web.Response:
 class Agent:
     """The HTTP handlers over one target."""
 
-    def __init__(self, jail: Jail, server: NsExec, pidfd: int, token: str):
+    def __init__(self, jail: Jail, server: NsExec, pidfd: int, work_fd: int, token: str):
         self.jail = jail
         self.server = server
         self.pidfd = pidfd
+        self.work_fd = work_fd
+        """The work directory, opened once at startup: every file op and reset goes through it, so a command that
+        renames the path to it (or plants a symlink there) cannot redirect them onto the agent's own files."""
         self.token = token
 
     def target_alive(self) -> bool:
@@ -136,6 +139,7 @@ class Agent:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or
                                     not 0 < timeout < float("inf")):  # fmt: skip
             return _error(400, f"timeout must be a positive number of seconds, got {timeout!r}")
+        nsexec.check_alive(self.pidfd, "the target")
         try:
             result = await self.server.exec(self.jail, args, timeout)
         except ValueError as exc:
@@ -147,16 +151,19 @@ class Agent:
         data = await request.read()
         if len(data) > self.jail.limits.max_file_bytes:
             return _error(413, f"the file is larger than max_file_bytes ({self.jail.limits.max_file_bytes})")
+        nsexec.check_alive(self.pidfd, "the target")
         await nsexec.write_file(self.jail, path, data)
         return web.Response(status=204)
 
     async def get_file(self, request: web.Request) -> web.Response:
+        nsexec.check_alive(self.pidfd, "the target")
         data = await nsexec.read_file(self.jail, request.query.get("path", ""))
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def reset(self, request: web.Request) -> web.Response:
+        nsexec.check_alive(self.pidfd, "the target")
         await self.server.kill_all(self.jail)
-        await asyncio.to_thread(nsexec.empty_dir, self.jail.files)
+        await asyncio.to_thread(empty_dir_fd, self.work_fd)
         return web.Response(status=204)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -193,12 +200,16 @@ async def announce(url: str, token: str, sandbox_id: str, address: str) -> None:
     raise SandboxError(f"readiness POST to {url} failed {READY_TRIES} times; last: {last}")
 
 
-def prepare_workdir(target: int, workdir: str, uid: int, gid: int) -> Path:
-    """The work directory inside the target, made if missing and owned by the command user; :return: its host path."""
-    path = Path(f"/proc/{target}/root") / workdir.lstrip("/")
-    path.mkdir(parents=True, exist_ok=True)
-    os.chown(path, uid, gid)
-    return path
+def open_workdir(target: int, workdir: str, uid: int, gid: int) -> int:
+    """The work directory inside the target, made if missing (no symlink followed) and owned by the command user;
+    :return: an fd of it, which the agent keeps for every file op and reset."""
+    try:
+        fd = open_dir_beneath(f"/proc/{target}/root", PurePosixPath(workdir).parts[1:], create=True)
+    except (OSError, SandboxFileError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise I3Error(f"work directory {workdir} in target pid {target}: {why}") from None
+    os.fchown(fd, uid, gid)
+    return fd
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -215,7 +226,7 @@ async def serve(args: argparse.Namespace) -> int:
         pidfd = os.pidfd_open(target)
     except OSError as exc:
         raise I3Error(f"target pid {target}: {exc.strerror}") from None
-    files = prepare_workdir(target, limits.workdir, args.uid, args.gid)
+    work_fd = open_workdir(target, limits.workdir, args.uid, args.gid)
     parents, missing = nsexec.cgroup_parents()
     if missing:
         log.warning("sandbox agent runs without: " + "; ".join(f"cgroup {n} ({why})" for n, why in missing.items()))
@@ -223,8 +234,9 @@ async def serve(args: argparse.Namespace) -> int:
     cgroup = Cgroup.create(parents, nsexec.owned_name("agent"), limits) if parents else None
     server = NsExec(own_netns=True)
     server.start()
-    jail = Jail(pid=target, uid=args.uid, gid=args.gid, limits=limits, files=files, cgroup=cgroup)
-    agent = Agent(jail, server, pidfd, token)
+    jail = Jail(pid=target, uid=args.uid, gid=args.gid, limits=limits, files=Path(f"/proc/self/fd/{work_fd}"),
+                cgroup=cgroup)  # fmt: skip
+    agent = Agent(jail, server, pidfd, work_fd, token)
     runner = web.AppRunner(agent.app(), access_log=None)
     await runner.setup()
     try:
@@ -249,6 +261,7 @@ async def serve(args: argparse.Namespace) -> int:
                 log.warning("could not kill the commands left running", error=str(exc))
         server.close()
         os.close(pidfd)
+        os.close(work_fd)
         if cgroup is not None:
             await cgroup.remove()
     return 0

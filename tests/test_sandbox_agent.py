@@ -212,6 +212,28 @@ def test_reset_kills_and_empties(agent):
     assert [row for row in rows if int(row[0]) == AGENT_UID and row[1] != "Z" and row[2] != "ps"] == [], rows
 
 
+def test_files_and_reset_stay_on_the_work_directory_when_its_path_is_replaced(agent, tmp_path):
+    """The agent holds its work directory open: renaming the path to it and planting a symlink in its place (what a
+    command under a sticky /tmp could do) redirects neither file ops nor the reset's emptying."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    moved = agent.work.with_name("work.moved")
+    agent.work.rename(moved)
+    agent.work.symlink_to(elsewhere)
+    try:
+        assert agent.call("PUT", "/files?path=a.txt", b"into the real one")[0] == 204
+        assert (moved / "a.txt").read_bytes() == b"into the real one"
+        assert agent.call("GET", "/files?path=a.txt") == (200, b"into the real one")
+        assert agent.call("GET", "/files?path=keep.txt")[0] == 404
+        assert agent.call("POST", "/reset") == (204, b"")
+        assert list(moved.iterdir()) == []
+        assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]
+    finally:
+        agent.work.unlink()
+        moved.rename(agent.work)
+
+
 def test_auth_is_refused_without_the_token(agent):
     for method, path in (("POST", "/exec"), ("GET", "/files?path=a"), ("PUT", "/files?path=a"), ("POST", "/reset")):
         for token in (None, "wrong", ""):

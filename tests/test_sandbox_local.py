@@ -3,15 +3,18 @@ many sandboxes at once, argv versus shell strings, and bad input. The hostile su
 
 import asyncio
 import os
+import select
+import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import psutil
 import pytest
 
 from i3core.errors import SandboxError, SandboxFileError
+from i3core.sandbox import as_bytes, read_beneath, write_beneath
 from i3core.testing import make_component
 
 pytestmark = pytest.mark.sandbox
@@ -183,6 +186,46 @@ def test_bad_commands_are_value_errors(backend, cmd):
             assert (await sb.exec("echo fine")).stdout == "fine\n"
 
     run(go())
+
+
+def test_a_sandbox_whose_init_died_refuses_everything(backend):
+    """Once its init is gone its pid may name a host process: exec, files and reset must not go near that pid."""
+    async def go():
+        async with await backend.create() as sb:
+            signal.pidfd_send_signal(sb._pidfd, signal.SIGKILL)
+            while not select.select([sb._pidfd], [], [], 1)[0]:
+                pass
+            assert not await sb.alive()
+            for call in (sb.exec("true"), sb.reset(), sb.write_file("a", "x"), sb.read_file("a")):
+                with pytest.raises(SandboxError, match="init process is gone"):
+                    await call
+
+    run(go())
+
+
+def test_an_unusable_root_dir_is_one_sandbox_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    backend = make_component("sandbox", "local", root_dir=str(tmp_path / "file" / "sandboxes"), **LIMITS)
+    try:
+        with pytest.raises(SandboxError, match="cannot use root_dir .*Not a directory"):
+            run(backend.create())
+    finally:
+        run(backend.aclose())
+
+
+def test_file_errors_are_sandbox_file_errors_and_temporaries_are_random(tmp_path):
+    with pytest.raises(SandboxFileError):
+        write_beneath(tmp_path / "missing", PurePosixPath("a.txt"), b"x")
+    with pytest.raises(SandboxFileError):
+        read_beneath(tmp_path / "missing", PurePosixPath("a.txt"), 10)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "inside").write_text("x")
+    with pytest.raises(SandboxFileError, match="is a directory"):
+        write_beneath(tmp_path, PurePosixPath("dir"), b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"]  # no temporary left behind
+    assert as_bytes("é") == "é".encode() and as_bytes(memoryview(b"ab")) == b"ab"
+    with pytest.raises(TypeError):
+        as_bytes(3)
 
 
 @pytest.mark.slow

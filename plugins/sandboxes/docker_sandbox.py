@@ -71,7 +71,6 @@ import contextlib
 import errno
 import io
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -85,7 +84,8 @@ from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError
 from i3core.sandbox import (
-    READ_CHUNK, SandboxBase, SandboxConfig, argv, decode, open_dir_beneath, read_beneath, relative_path, write_beneath,
+    READ_CHUNK, SandboxBase, SandboxConfig, argv, as_bytes, decode, empty_dir_fd, open_dir_beneath, read_beneath,
+    relative_path, write_beneath,
 )  # fmt: skip
 from i3core.types import ExecResult
 
@@ -408,8 +408,8 @@ class DockerSandbox(SandboxBase):
     # -- files ------------------------------------------------------------------------------------
 
     async def write_file(self, path: str, data: bytes | str) -> None:
+        payload = as_bytes(data)
         rel = relative_path(path, self.config.workdir)
-        payload = data.encode() if isinstance(data, str) else bytes(data)
         await self.backend._call(self._in_workdir, write_beneath, rel, payload, self._uid, self._gid)
 
     async def read_file(self, path: str) -> bytes:
@@ -431,11 +431,7 @@ class DockerSandbox(SandboxBase):
 
     def _empty(self, _: Path) -> None:
         """Remove everything in the work directory (never following symlinks) and restore its owner and mode."""
-        for entry in os.scandir(self._root):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.name, dir_fd=self._root)
-            else:
-                os.unlink(entry.name, dir_fd=self._root)
+        empty_dir_fd(self._root)
         os.fchown(self._root, self._uid, self._gid)
         os.fchmod(self._root, WORKDIR_MODE)
 

@@ -66,7 +66,7 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
-from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, relative_path
+from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, as_bytes, relative_path
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.k8s")
@@ -519,8 +519,8 @@ class AgentClient(SandboxBase):
             raise SandboxError(f"sandbox {self.id}: agent sent a malformed exec result: {exc}") from None
 
     async def write_file(self, path: str, data: bytes | str) -> None:
+        payload = as_bytes(data)
         rel = relative_path(path, self.config.workdir)
-        payload = data.encode() if isinstance(data, str) else bytes(data)
         status, body = await self._call("PUT", "/files", self.config.timeout_s, params={"path": str(rel)},
                                         data=payload)  # fmt: skip
         if status != 204:

@@ -54,7 +54,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import structlog
 from pydantic import Field
@@ -62,7 +62,7 @@ from pydantic import Field
 from i3core import nsexec
 from i3core.errors import SandboxError
 from i3core.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox import SandboxBase, SandboxConfig, argv
+from i3core.sandbox import SandboxBase, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.local")
@@ -86,8 +86,11 @@ class LocalSandbox(SandboxBase):
         self._closed = False
 
     def _check_open(self) -> None:
+        """Refuse a closed sandbox, or one whose init died: its pid may name a host process by now, whose
+        namespaces an exec would join."""
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+        nsexec.check_alive(self._pidfd, f"sandbox {self.id}")
 
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None) -> ExecResult:
         self._check_open()
@@ -107,9 +110,21 @@ class LocalSandbox(SandboxBase):
         await asyncio.to_thread(self._empty)
 
     def _empty(self) -> None:
-        nsexec.empty_dir(self._jail.files)
-        for name in SCRATCH_DIRS:
-            nsexec.empty_dir(Path(f"/proc/{self._jail.pid}/root/{name}"))
+        """Empty the work directory (on the host) and the scratch tmpfs, those relative to the init's root opened
+        and checked to be our init's once: never a /proc/<pid> path that a reused pid points elsewhere."""
+        dirs = [os.open(self._jail.files, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)]
+        try:
+            root = nsexec.open_root(self._jail.pid, self._pidfd, f"sandbox {self.id}")
+            try:
+                for name in SCRATCH_DIRS:
+                    dirs.append(open_dir_beneath(f"/proc/self/fd/{root}", PurePosixPath(name).parts))
+            finally:
+                os.close(root)
+            for fd in dirs:
+                empty_dir_fd(fd)
+        finally:
+            for fd in dirs:
+                os.close(fd)
 
     def _init_exited(self) -> bool:
         return bool(select.select([self._pidfd], [], [], 0)[0])
@@ -180,9 +195,14 @@ class LocalBackend:
                             "cgroup cpu": "no CPU quota: a sandbox may use every core"}  # fmt: skip
                 log.warning("local sandboxes run without: " + "; ".join(
                     f"{name} ({why}; {fallback[name]})" for name, why in self.missing.items()))
-            Path(self.config.root_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-            nsexec.sweep_stale(list(self.cgroup_parents.values()), "local", Path.rmdir)
-            nsexec.sweep_stale([Path(self.config.root_dir)], "local", shutil.rmtree)
+            try:
+                Path(self.config.root_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+                nsexec.sweep_stale(list(self.cgroup_parents.values()), "local", Path.rmdir)
+                nsexec.sweep_stale([Path(self.config.root_dir)], "local", shutil.rmtree)
+            except OSError as exc:
+                server.close()
+                raise SandboxError(f"local sandboxes: cannot use root_dir {self.config.root_dir}: "
+                                   f"{exc.strerror or exc}") from None  # fmt: skip
             self.nsexec = server
 
     async def create(self) -> LocalSandbox:
@@ -190,15 +210,22 @@ class LocalBackend:
             await asyncio.to_thread(self.start)
         sandbox_id = uuid.uuid4().hex[:12]
         base = Path(self.config.root_dir) / nsexec.owned_name("local", sandbox_id)
-        (base / "root").mkdir(parents=True)
-        (base / "work").mkdir()
         cgroup = None
         try:
+            try:
+                (base / "root").mkdir(parents=True)
+                (base / "work").mkdir()
+            except OSError as exc:
+                raise SandboxError(f"local sandbox {sandbox_id}: cannot make its directories under "
+                                   f"{self.config.root_dir}: {exc.strerror or exc}") from None  # fmt: skip
             if self.cgroup_parents:
                 cgroup = Cgroup.create(self.cgroup_parents, nsexec.owned_name("local", sandbox_id), self.config)
             pid, uid = await self.nsexec.create_init(base / "root", base / "work", self.config.workdir, UID_BASE,
                                                      tmp_mb=self.config.memory_mb)  # fmt: skip
-            pidfd = os.pidfd_open(pid)
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError as exc:
+                raise SandboxError(f"local sandbox {sandbox_id}: its init is gone at once ({exc.strerror})") from None
         except BaseException:
             if cgroup is not None:
                 cgroup.remove_now()
