@@ -237,7 +237,8 @@ def op_create(req: dict, fds: list[int]) -> None:
 
 def enter(target: int, flags: int, chroot: bool, pidfd: int = -1) -> None:
     """Join ``target``'s namespaces (``flags``) and, with ``chroot``, its root directory (``pidfd``: the target's,
-    opened where its pid means it)."""
+    opened where its pid means it). The root is opened by pid before the setns on the pidfd: that setns fails
+    once the target is dead, so when it succeeds the root opened was the target's, never a reused pid's."""
     pidfd = os.pidfd_open(target) if pidfd == -1 else pidfd
     root = os.open(f"/proc/{target}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if chroot else -1
     try:
@@ -293,7 +294,7 @@ def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int
 def op_exec(req: dict, fds: list[int], devnull: int, own_netns: bool, pidfd: int) -> None:
     """In the server's child born in the target's pid namespace: join the rest of its namespaces, become the
     command. The server reports the exit status (it is our parent)."""
-    out, err, status = fds[:3]
+    out, err, status = fds[-3:]
     signal.set_wakeup_fd(-1)
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in req["cgroup_procs"]]
@@ -322,11 +323,11 @@ def live_processes(pidns: int, uid: int) -> list[int]:
 
 def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
     """Kill rounds until no live process of the uid is left; zombies are fine (their parent or init reaps them)."""
-    status = fds[0]
+    status = fds[-1]
     child_prelude(server_pid)
     uid, gid = req["uid"], req["gid"]
-    pidns = os.stat(f"/proc/{req['target']}/ns/pid").st_ino
-    enter(req["target"], CLONE_NEWPID, chroot=False)
+    enter(req["target"], CLONE_NEWPID, chroot=False, pidfd=os.dup(fds[0]) if req.get("pidfd") else -1)
+    pidns = os.stat("/proc/self/ns/pid_for_children").st_ino  # the target's, joined through its pidfd
     deadline = time.monotonic() + KILL_DEADLINE_S
     while time.monotonic() < deadline:
         pid = os.fork()
@@ -413,8 +414,13 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
             if req["op"] == "create":
                 unshare(CLONE_NEWPID)  # our next child is pid 1 of a new pid namespace
             elif req["op"] == "exec":
-                target_fd = os.pidfd_open(int(req["target"]))
-                setns(target_fd, CLONE_NEWPID)  # our next child is born in the target's pid namespace
+                # the caller's pidfd of the target (fails once it died: never a reused pid), else one by pid
+                target_fd = os.dup(fds[0]) if req.get("pidfd") else os.pidfd_open(int(req["target"]))
+                try:
+                    setns(target_fd, CLONE_NEWPID)  # our next child is born in the target's pid namespace
+                except BaseException:
+                    os.close(target_fd)
+                    raise
             pid = -1
             try:
                 pid = os.fork()

@@ -2,6 +2,7 @@
 many sandboxes at once, argv versus shell strings, and bad input. The hostile suite is test_sandbox_hostile.py."""
 
 import asyncio
+import dataclasses
 import os
 import select
 import signal
@@ -199,6 +200,17 @@ def test_a_sandbox_whose_init_died_refuses_everything(backend):
             for call in (sb.exec("true"), sb.reset(), sb.write_file("a", "x"), sb.read_file("a")):
                 with pytest.raises(SandboxError, match="init process is gone"):
                     await call
+            # the fork server joins through the held pidfd, not the pid: a pid now naming a host process is refused
+            host = subprocess.Popen(["sleep", "60"])
+            try:
+                reused = dataclasses.replace(sb._jail, pid=host.pid)
+                for call in (backend.nsexec.exec(reused, ["true"]), backend.nsexec.kill_all(reused)):
+                    with pytest.raises(SandboxError):
+                        await call
+                assert host.poll() is None
+            finally:
+                host.kill()
+                host.wait()
 
     run(go())
 
