@@ -40,7 +40,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_agent_args(parser: argparse.ArgumentParser) -> None:
-    from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID, SandboxConfig
+    from i3core.sandbox import AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxConfig
 
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--target-pid", type=int, help="host pid of the process whose namespaces commands join")
@@ -57,9 +57,10 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uid", type=int, default=AGENT_UID, help="uid commands run as (not the target's own)")
     parser.add_argument("--gid", type=int, default=AGENT_UID, help="gid commands run as")
     defaults = SandboxConfig()
-    for name, spec in SandboxConfig.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(defaults, name)),
-                            default=getattr(defaults, name), help=spec.description)  # fmt: skip
+    for name in AGENT_LIMITS:  # none is a bool: type=bool would read "False" as True
+        default = getattr(defaults, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                            help=SandboxConfig.model_fields[name].description)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

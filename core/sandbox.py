@@ -49,6 +49,12 @@ class SandboxConfig(BaseModel):
                                      "dead one masks its rollout and cancels its generation.")  # fmt: skip
 
 
+AGENT_LIMITS = ("timeout_s", "max_output_bytes", "max_file_bytes", "memory_mb", "pids", "cpus", "file_size_mb",
+                "workdir")  # fmt: skip
+"""The :class:`SandboxConfig` fields the sandbox agent applies, each a flag (``--timeout-s``); the pool's fields
+(warm, max_concurrent, reuse, health_interval_s) are the orchestrator's, never the agent's."""
+
+
 def argv(cmd: str | Sequence[str]) -> list[str]:
     """The argv of ``cmd``: a string runs under ``/bin/sh -c``, a sequence as it is."""
     if isinstance(cmd, str):

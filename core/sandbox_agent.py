@@ -42,7 +42,7 @@ from pydantic import ValidationError
 from i3core import nsexec
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox import SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox import AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
 
 log = structlog.get_logger("i3core.sandbox_agent")
 
@@ -217,7 +217,7 @@ async def serve(args: argparse.Namespace) -> int:
     if not token:
         raise I3Error(f"no bearer token: set ${args.token_env} (the agent refuses to serve without one)")
     try:
-        limits = SandboxConfig(**{name: getattr(args, name) for name in SandboxConfig.model_fields})
+        limits = SandboxConfig(**{name: getattr(args, name) for name in AGENT_LIMITS})
     except ValidationError as exc:
         raise I3Error("; ".join(f"--{e['loc'][0].replace('_', '-')}: {e['msg']}" for e in exc.errors())) from None
     target = args.target_pid if args.target_pid is not None else await asyncio.to_thread(

@@ -32,7 +32,7 @@ from i3core.plugins.sandboxes.k8s import (
     dns_name,
     pod_manifest,
 )
-from i3core.sandbox import AGENT_TOKEN_ENV
+from i3core.sandbox import AGENT_LIMITS, AGENT_TOKEN_ENV
 from i3core.testing import make_component
 
 from .conftest import run_cli
@@ -125,6 +125,15 @@ def test_each_sandbox_runs_its_commands_as_its_own_uid():
     uids = {command_uid(f"i3core-{i:010x}") for i in range(256)}  # a full node
     assert len(uids) >= 250 and min(uids) >= 1_000_000 and max(uids) < 1_000_000 + (1 << 24)
     assert command_uid("i3core-0000000001") == command_uid("i3core-0000000001")
+
+
+def test_agent_args_carry_only_the_limits_the_agent_applies():
+    cfg = K8sConfig(webhook_url=WEBHOOK_BY_IP, memory_mb=768, warm=3, reuse=False)
+    args = agent_args(cfg, "sb-1")
+    flags = {arg for arg in args if arg.startswith("--")}
+    assert {f"--{name.replace('_', '-')}" for name in AGENT_LIMITS} <= flags
+    assert not flags & {"--warm", "--max-concurrent", "--reuse", "--health-interval-s"}
+    assert args[args.index("--memory-mb") + 1] == "768"
 
 
 def test_pod_gets_a_dns_record_from_the_headless_service(token):

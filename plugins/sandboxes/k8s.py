@@ -5,7 +5,8 @@ The INTELLECT-3 layout (Prime Sandboxes), without a home-made control plane:
 - each sandbox is a Pod with two containers, the *target* (the image the
   model's code runs in, holding only a sleeper) and the *agent* sidecar
   (``i3core sandbox-agent``), which runs each command inside the target's
-  namespaces with ``nsenter`` (``shareProcessNamespace: true``). No
+  namespaces (``setns`` through :mod:`i3core.nsexec`, no ``nsenter``
+  binary; ``shareProcessNamespace: true``). No
   ``kubectl exec``: no API server, no websocket upgrade per command;
 - a headless Service (``clusterIP: None``) gives each Pod a DNS A record,
   ``<id>.<service>.<namespace>.svc`` (``hostname``/``subdomain``), so the
@@ -24,7 +25,7 @@ Threat model (model-written code is hostile; the agent and the orchestrator are 
   memory cgroup can be made) and a fresh network namespace with only
   loopback (the agent's own, not the Pod's network). The target's root
   filesystem is read-only; the work directory and ``/tmp`` are
-  memory-backed ``emptyDir`` volumes. nsenter joins namespaces, not cgroups:
+  memory-backed ``emptyDir`` volumes. setns joins namespaces, not cgroups:
   the commands live in the agent container's cgroup, so ``cpus`` and
   ``memory_mb`` are the agent container's limits (plus the agent's own
   share) and the target container holds only the sleeper (uid 65534, every
@@ -35,7 +36,7 @@ Threat model (model-written code is hostile; the agent and the orchestrator are 
   bearer token comes from a Secret, in the agent's environment only; the
   agent runs as root, so the commands' uid cannot read its
   ``/proc/<pid>/environ`` through the shared process namespace.
-- not covered: the agent holds the capabilities nsenter needs (SYS_ADMIN,
+- not covered: the agent holds the capabilities setns needs (SYS_ADMIN,
   SYS_PTRACE, SYS_CHROOT, SETUID/SETGID, KILL, DAC_OVERRIDE, FOWNER, CHOWN):
   a bug in the agent or a kernel escape from a command is a Pod escape. A
   memory-hungry command shares the agent container's memory limit, so the
@@ -66,7 +67,9 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
-from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, as_bytes, relative_path
+from i3core.sandbox import (
+    AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, as_bytes, relative_path,
+)  # fmt: skip
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.k8s")
@@ -140,7 +143,8 @@ class K8sConfig(SandboxConfig):
     image: str = Field("python:3.12-slim", min_length=1, description="Image of the target container, where the "
                        "model's code runs (pin it by digest in production).")  # fmt: skip
     agent_image: str = Field("i3core:latest", min_length=1, description="Image of the agent sidecar: i3core "
-                             "installed (the `i3core` command) and nsenter (util-linux).")  # fmt: skip
+                             "installed (the `i3core` command); it joins the target with setns (no nsenter "
+                             "binary needed).")  # fmt: skip
     agent_port: int = Field(8080, ge=1, le=65535, description="Port the agent serves its HTTP API on.")
     run_label: str = Field("i3core", pattern=DNS_LABEL, max_length=40, description="Value of the i3core/run label "
                            "on every object of this run, and the prefix of sandbox ids; aclose() deletes every "
@@ -218,14 +222,14 @@ def agent_args(cfg: K8sConfig, sandbox_id: str) -> list[str]:
         "--ready-url", cfg.webhook_url,
         "--uid", uid, "--gid", uid,
     ]  # fmt: skip
-    for name in SandboxConfig.model_fields:
+    for name in AGENT_LIMITS:
         args += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
     return args
 
 
 def pod_manifest(cfg: K8sConfig, sandbox_id: str) -> dict[str, Any]:
     """One sandbox: the target container (a sleeper) and the agent sidecar, sharing a process namespace."""
-    # nsenter joins the target's namespaces, not its cgroup: a command stays in the cgroup of the agent that
+    # setns joins the target's namespaces, not its cgroup: a command stays in the cgroup of the agent that
     # forked it, so the sandbox's cpus/memory_mb are the agent container's limits (plus the agent's own share)
     agent_limits = {"cpu": _cpu(cfg.cpus + AGENT_OWN_CPU), "memory": f"{cfg.memory_mb + AGENT_OWN_MEMORY_MB}Mi"}
     target = {
