@@ -150,14 +150,15 @@ def test_timeout_kills_everything_while_the_pids_limit_is_full(make_backend):
 
 
 @needs_engine
-def test_reset_empties_the_work_directory_and_restores_it(make_backend):
+def test_reset_empties_the_work_directory_and_tmp_and_restores_them(make_backend):
     backend = make_backend()
 
     async def go():
         async with await backend.create() as sb:
-            await sb.exec("mkdir -p a/b && touch a/b/c .hidden && chmod 000 a/b && chmod 700 . && ln -s / root")
+            await sb.exec("mkdir -p a/b /tmp/d && touch a/b/c .hidden /tmp/d/e /tmp/f && chmod 000 a/b && chmod 700 . "
+                          "&& ln -s / root && ln -s / /tmp/root")  # fmt: skip
             await sb.reset()
-            result = await sb.exec("ls -A; stat -c '%u %a' .")
+            result = await sb.exec("ls -A; ls -A /tmp; stat -c '%u %a' .")
             assert result.stdout == "65534 755\n", result
             await sb.write_file("again.txt", "ok")
             assert await sb.read_file("again.txt") == b"ok"

@@ -220,20 +220,25 @@ class DockerBackend:
         try:
             container.start()
             container.reload()
-            root, cgroup = self._attach(container.id, container.attrs["State"]["Pid"])
-            return DockerSandbox(self, container.id, root, cgroup)
+            root, tmp, cgroup = self._attach(container.id, container.attrs["State"]["Pid"])
+            return DockerSandbox(self, container.id, root, tmp, cgroup)
         except BaseException as exc:
             self._remove(container.id)
             if isinstance(exc, self.engine_errors):
                 raise SandboxError(f"docker sandbox from {cfg.image!r} did not start: {_one_line(exc)}") from None
             raise
 
-    def _attach(self, container_id: str, init_pid: int) -> tuple[int, "_Cgroup"]:
-        """The work directory's fd (owned by the sandbox user) and the container's cgroup, through the host's /proc."""
+    def _attach(self, container_id: str, init_pid: int) -> tuple[int, int, "_Cgroup"]:
+        """Fds of the work directory (owned by the sandbox user) and of /tmp (both emptied by reset), and the
+        container's cgroup, through the host's /proc."""
         short = container_id[:12]
+        root = -1
         try:
             root = open_dir_beneath(f"/proc/{init_pid}/root", PurePosixPath(self.config.workdir).parts[1:])
+            tmp = open_dir_beneath(f"/proc/{init_pid}/root", ["tmp"])
         except (OSError, SandboxFileError) as exc:
+            if root != -1:
+                os.close(root)
             raise SandboxError(f"cannot reach docker sandbox {short} through /proc/{init_pid}/root "
                                f"({getattr(exc, 'strerror', None) or exc}): "
                                "the docker backend needs the engine on this machine and i3core running as "
@@ -245,12 +250,14 @@ class DockerBackend:
             uid, gid = _ids(self.config.user)
             os.fchown(root, uid, gid)
             os.fchmod(root, WORKDIR_MODE)
-            return root, _Cgroup(init_pid)
+            return root, tmp, _Cgroup(init_pid)
         except OSError as exc:
             os.close(root)
+            os.close(tmp)
             raise SandboxError(f"docker sandbox {short}: cannot read its cgroup ({exc.strerror})") from None
         except BaseException:
             os.close(root)
+            os.close(tmp)
             raise
 
     def _remove(self, container_id: str) -> None:
@@ -291,12 +298,13 @@ class DockerBackend:
 class DockerSandbox(SandboxBase):
     """One container: commands are execs as the configured user, files go through the host's /proc."""
 
-    def __init__(self, backend: DockerBackend, container_id: str, root: int, cgroup: "_Cgroup"):
+    def __init__(self, backend: DockerBackend, container_id: str, root: int, tmp: int, cgroup: "_Cgroup"):
         self.backend = backend
         self.config = backend.config
         self.id = container_id[:12]
         self.container_id = container_id
         self._root = root
+        self._tmp = tmp
         self._root_lock = threading.Lock()  # close() waits for a file operation using the fd, never reuses it
         self._cgroup = cgroup
         self._closed = False
@@ -430,8 +438,10 @@ class DockerSandbox(SandboxBase):
         await self.backend._call(self._in_workdir, self._empty)
 
     def _empty(self, _: Path) -> None:
-        """Remove everything in the work directory (never following symlinks) and restore its owner and mode."""
+        """Empty the work directory and /tmp (never following symlinks); restore the work directory's owner and
+        mode."""
         empty_dir_fd(self._root)
+        empty_dir_fd(self._tmp)
         os.fchown(self._root, self._uid, self._gid)
         os.fchmod(self._root, WORKDIR_MODE)
 
@@ -458,6 +468,7 @@ class DockerSandbox(SandboxBase):
             if not self._closed:
                 self._closed = True
                 os.close(self._root)
+                os.close(self._tmp)
 
     def _check_open(self) -> None:
         if self._closed:
