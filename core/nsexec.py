@@ -213,15 +213,10 @@ class Jail:
     limits: SandboxConfig
     files: Path
     """A host path of the work directory, for read_file/write_file (``/proc/self/fd/N`` where it is held open)."""
-    cgroup: Cgroup | None = None
-    pidfd: int = -1
+    pidfd: int
     """A pidfd of the target, held by the caller: sent to the fork server with every exec and kill, which joins the
     namespaces through it (setns on a dead process's pidfd fails), so a reused ``pid`` is never entered."""
-
-    def target_fds(self) -> list[int]:
-        """What an exec or kill request sends ahead of its own fds: a dup of the target's pidfd (``_send`` closes
-        it), or nothing (the server opens ``pid``)."""
-        return [os.dup(self.pidfd)] if self.pidfd != -1 else []
+    cgroup: Cgroup | None = None
 
     def rlimits(self, timeout: float) -> dict[str, int]:
         limits = {
@@ -320,9 +315,10 @@ class NsExec:
                 os.close(fd)
         return status_r
 
-    async def _call(self, request: dict, what: str, fds: list[int] | None = None) -> list[tuple[str, str]]:
-        """A request answered only on its status pipe; :return: its lines, after raising any error among them."""
-        reader, transport = await _pipe_reader(await self._send(request, fds or []))
+    async def _call(self, request: dict, what: str, fds: list[int]) -> list[tuple[str, str]]:
+        """A request answered only on its status pipe (``fds`` sent ahead of it, closed here); :return: its lines,
+        after raising any error among them."""
+        reader, transport = await _pipe_reader(await self._send(request, fds))
         try:
             text = decode(await asyncio.wait_for(reader.read(), SERVER_WAIT_S))
         except TimeoutError:
@@ -368,7 +364,7 @@ class NsExec:
         ``work`` as its work directory; :return: (its host pid, the uid its commands run as)."""
         request = {"op": "create", "root": str(root), "work": str(work), "workdir": workdir, "uid_base": uid_base,
                    "tmp_mb": tmp_mb}  # fmt: skip
-        for kind, rest in await self._call(request, "starting the sandbox"):
+        for kind, rest in await self._call(request, "starting the sandbox", []):
             if kind == "P":
                 pid, uid = rest.split()
                 return int(pid), int(uid)
@@ -376,8 +372,8 @@ class NsExec:
 
     async def kill_all(self, jail: Jail) -> None:
         """Kill every process running as the jail's uid in its pid namespace (all of the sandbox but its init)."""
-        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "pidfd": jail.pidfd != -1}
-        for kind, rest in await self._call(request, "killing the sandbox's processes", jail.target_fds()):
+        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid}
+        for kind, rest in await self._call(request, "killing the sandbox's processes", [os.dup(jail.pidfd)]):
             if kind == "X" and os.waitstatus_to_exitcode(int(rest)) != 0:
                 raise SandboxError("processes of the sandbox survived being killed")
 
@@ -388,8 +384,7 @@ class NsExec:
             raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
         request = {"op": "exec", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "cwd": jail.limits.workdir,
                    "argv": args, "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
-                   "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else [],
-                   "pidfd": jail.pidfd != -1}  # fmt: skip
+                   "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else []}  # fmt: skip
         oom_before = jail.cgroup.oom_kills() if jail.cgroup else None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -397,7 +392,7 @@ class NsExec:
         transports = []
         try:
             try:
-                status_r = await self._send(request, [*jail.target_fds(), out_w, err_w])
+                status_r = await self._send(request, [os.dup(jail.pidfd), out_w, err_w])
             except BaseException:
                 os.close(out_r)
                 os.close(err_r)

@@ -27,11 +27,13 @@ Operations (``op``):
   its root, in ``cwd``, as ``uid``/``gid`` with no capabilities, no_new_privs,
   rlimits and a clean environment; stdin is /dev/null. Moves itself into the
   given cgroups first. One fork: the server enters the target's pid namespace
-  for its children (``setns`` on a pidfd), forks, and returns to its own; the
+  for its children (``setns`` on the requester's pidfd of the target, sent
+  as the request's first fd: a dead target's pid, even reused, is never
+  entered), forks, and returns to its own; the
   child joins the rest and execs. The server, its parent, reaps it and writes
   its wait status.
 - ``kill``: ``kill(-1, SIGKILL)`` as ``uid`` inside the target's pid
-  namespace, until nothing is left: every process of the sandbox but its init
+  namespace (joined through the request's pidfd, as for ``exec``), until nothing is left: every process of the sandbox but its init
   (which runs as root) dies, and nothing else can.
 - ``probe``: whether this host lets us make the namespaces.
 """
@@ -235,11 +237,10 @@ def op_create(req: dict, fds: list[int]) -> None:
 # --- exec and kill: join a target's namespaces --------------------------------------------------
 
 
-def enter(target: int, flags: int, chroot: bool, pidfd: int = -1) -> None:
-    """Join ``target``'s namespaces (``flags``) and, with ``chroot``, its root directory (``pidfd``: the target's,
-    opened where its pid means it). The root is opened by pid before the setns on the pidfd: that setns fails
-    once the target is dead, so when it succeeds the root opened was the target's, never a reused pid's."""
-    pidfd = os.pidfd_open(target) if pidfd == -1 else pidfd
+def enter(target: int, flags: int, chroot: bool, pidfd: int) -> None:
+    """Join ``target``'s namespaces (``flags``) through ``pidfd`` (the caller's pidfd of it; closed here) and, with
+    ``chroot``, its root directory. The root is opened by pid before the setns on the pidfd: that setns fails once
+    the target is dead, so when it succeeds the root opened was the target's, never a reused pid's."""
     root = os.open(f"/proc/{target}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if chroot else -1
     try:
         setns(pidfd, flags)
@@ -326,7 +327,7 @@ def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
     status = fds[-1]
     child_prelude(server_pid)
     uid, gid = req["uid"], req["gid"]
-    enter(req["target"], CLONE_NEWPID, chroot=False, pidfd=os.dup(fds[0]) if req.get("pidfd") else -1)
+    enter(req["target"], CLONE_NEWPID, chroot=False, pidfd=os.dup(fds[0]))
     pidns = os.stat("/proc/self/ns/pid_for_children").st_ino  # the target's, joined through its pidfd
     deadline = time.monotonic() + KILL_DEADLINE_S
     while time.monotonic() < deadline:
@@ -414,8 +415,7 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
             if req["op"] == "create":
                 unshare(CLONE_NEWPID)  # our next child is pid 1 of a new pid namespace
             elif req["op"] == "exec":
-                # the caller's pidfd of the target (fails once it died: never a reused pid), else one by pid
-                target_fd = os.dup(fds[0]) if req.get("pidfd") else os.pidfd_open(int(req["target"]))
+                target_fd = os.dup(fds[0])  # the caller's pidfd of the target: setns fails once it died
                 try:
                     setns(target_fd, CLONE_NEWPID)  # our next child is born in the target's pid namespace
                 except BaseException:

@@ -235,7 +235,7 @@ async def serve(args: argparse.Namespace) -> int:
     server = NsExec(own_netns=True)
     server.start()
     jail = Jail(pid=target, uid=args.uid, gid=args.gid, limits=limits, files=Path(f"/proc/self/fd/{work_fd}"),
-                cgroup=cgroup, pidfd=pidfd)  # fmt: skip
+                pidfd=pidfd, cgroup=cgroup)  # fmt: skip
     agent = Agent(jail, server, pidfd, work_fd, token)
     runner = web.AppRunner(agent.app(), access_log=None)
     await runner.setup()

@@ -231,8 +231,8 @@ class LocalBackend:
                 cgroup.remove_now()
             shutil.rmtree(base, ignore_errors=True)
             raise
-        jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=base / "work", cgroup=cgroup,
-                    pidfd=pidfd)  # fmt: skip
+        jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=base / "work", pidfd=pidfd,
+                    cgroup=cgroup)  # fmt: skip
         sandbox = LocalSandbox(self, sandbox_id, jail, pidfd, base)
         self._open.add(sandbox)
         return sandbox
