@@ -34,33 +34,16 @@ from pathlib import Path
 
 import psutil
 
-from i3core.testing import make_component
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests' backend builders (and docker's test image) serve the benchmark too
+
+from tests.sandbox_backends import backend_for, docker_available  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def docker_engine() -> bool:
-    try:
-        import docker
-
-        docker.from_env(timeout=5).ping()
-        return True
-    except Exception:
-        return False
-
-
-def build_backend(name: str, workdir: Path):
-    if name == "local":
-        return make_component("sandbox", "local", root_dir=str(workdir / "sandboxes"))
-    sys.path.insert(0, str(ROOT))
-    from tests.docker_image import test_image
-
-    return make_component("sandbox", "docker", image=test_image())
 
 
 def process_rss(exclude: set[int]) -> tuple[int, set[int]]:
@@ -77,7 +60,7 @@ def process_rss(exclude: set[int]) -> tuple[int, set[int]]:
 
 
 async def measure(name: str, args, workdir: Path) -> dict:
-    backend = build_backend(name, workdir)
+    backend = backend_for(name, workdir)
     before_pids = {p.pid for p in psutil.process_iter()} - {os.getpid()}
     me = psutil.Process()
     rss_before = me.memory_info().rss
@@ -156,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        if name == "docker" and not docker_engine():
+        if name == "docker" and not docker_available():
             print("docker: no engine answers here; left out", file=sys.stderr)
             continue
         run_args = argparse.Namespace(**vars(args))
