@@ -404,6 +404,7 @@ class NsExec:
                 transports.append(transport)
             cap = jail.limits.max_output_bytes
             done = asyncio.gather(read_capped(readers[0], cap), read_capped(readers[1], cap), readers[2].read())
+            done.add_done_callback(_retrieved)  # cancelled from any side (the caller, a loop shutting down): no warning
             timed_out = False
             try:
                 (out, out_cut), (err, err_cut), status = await asyncio.wait_for(asyncio.shield(done), timeout)
@@ -437,6 +438,12 @@ class NsExec:
             truncated=out_cut or err_cut,
             duration_s=duration,
         )
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a future's outcome as seen; whoever awaits it still gets it."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.ReadTransport]:
