@@ -13,12 +13,10 @@ from i3core.plugins.envs.code import HARNESS, MARK, extract_program, parse_resul
 from i3core.plugins.envs.code_problems import PROBLEMS
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.sandbox_pool import SandboxPool
-from i3core.testing import ScriptedClient, make_component, plugin_manager
+from i3core.testing import ScriptedClient, make_component
 from tests.sandbox_backends import backend_for
 
 END = "<|im_end|>"
-LOCAL = plugin_manager().registry.get("sandbox", "local") is not None
-needs_local = pytest.mark.skipif(not LOCAL, reason="the local sandbox backend is not installed on this branch")
 
 
 def harness_on_host(tmp_path, program: str, tests: list[str], timeout: float = 60) -> tuple[list[bool], str | None]:
@@ -93,7 +91,6 @@ def code_rollouts(tmp_path, replies_for, **options):
     return asyncio.run(go())
 
 
-@needs_local
 def test_code_env_reward_is_the_pass_rate_in_a_sandbox(tmp_path):
     right = lambda e: f"```python\n{e.info['solution']}```{END}"  # noqa: E731
     wrong = lambda e: f"```python\ndef {e.info['name']}(*args):\n    return None\n```{END}"  # noqa: E731
@@ -106,7 +103,6 @@ def test_code_env_reward_is_the_pass_rate_in_a_sandbox(tmp_path):
     assert stats["leased"] == 0  # every lease handed back
 
 
-@needs_local
 def test_code_env_a_hanging_program_times_out_and_keeps_earlier_passes(tmp_path):
     def hangs(example):
         return f"```python\nwhile True:\n    pass\n```{END}"
@@ -115,7 +111,6 @@ def test_code_env_a_hanging_program_times_out_and_keeps_earlier_passes(tmp_path)
     assert all(r.reward == 0.0 and r.metrics["tests_timed_out"] == 1.0 for r in rollouts)
 
 
-@needs_local
 def test_sandbox_env_shell_tool_runs_in_the_rollouts_own_sandbox(tmp_path):
     def shell_then_answer(example):
         call = {"name": "shell", "arguments": {"command": "echo hi > note && cat note && pwd"}}

@@ -9,12 +9,9 @@ import time
 
 import pytest
 
-from i3core.testing import plugin_manager
-
 from .conftest import ROOT
 
 pytestmark = pytest.mark.slow
-LOCAL_SANDBOX = plugin_manager().registry.get("sandbox", "local") is not None
 
 LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
 
@@ -116,7 +113,6 @@ def test_env_group_of_reverse_text_and_tool_calc_trains_with_per_member_metrics(
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not LOCAL_SANDBOX, reason="the local sandbox backend is not installed on this branch")
 def test_env_group_with_code_in_sandboxes_trains_with_per_member_metrics(tmp_path):
     out, rows = group_run(tmp_path, "env_group_code.toml", "run.max_steps=6", "sft.steps=3", "env.mixing='fixed'")
     assert [r["step"] for r in rows] == list(range(1, 7))
