@@ -81,36 +81,30 @@ def test_example_plugin_installs_and_is_listed_and_accepted(venv):
     assert tests.returncode == 0, tests.stdout + tests.stderr
 
 
-def test_scaffolded_plugin_installs_editable_and_its_test_passes(venv, tmp_path):
-    made = cli(venv, "new-plugin", "tiny-loss", "--dir", str(tmp_path))
+def scaffold_and_test(venv, tmp_path, name: str, kind: str, *new_args: str) -> str:
+    """``i3core new-plugin NAME`` installed editable into ``venv``: it registers its one ``kind`` component and
+    its own tests pass. :return: the tests' output."""
+    made = cli(venv, "new-plugin", name, *new_args, "--dir", str(tmp_path))
     assert made.returncode == 0, made.stderr
-    root = tmp_path / "i3-plugin-tiny-loss"
+    root = tmp_path / f"i3-plugin-{name}"
     pip_install(venv, "-e", str(root))
     report = json.loads(cli(venv, "plugins", "--json").stdout)
-    plugin = next(p for p in report["plugins"] if p["name"] == "tiny-loss")
-    assert plugin["distribution"] == "i3-plugin-tiny-loss" and plugin["components"] == {"loss": ["tiny-loss"]}
+    plugin = next(p for p in report["plugins"] if p["name"] == name)
+    assert plugin["distribution"] == f"i3-plugin-{name}" and plugin["components"] == {kind: [name]}
     tests = subprocess.run(
         [python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True,
         timeout=300,
     )
     assert tests.returncode == 0, tests.stdout + tests.stderr
-    assert "2 passed" in tests.stdout
+    return tests.stdout
+
+
+def test_scaffolded_plugin_installs_editable_and_its_test_passes(venv, tmp_path):
+    assert "2 passed" in scaffold_and_test(venv, tmp_path, "tiny-loss", "loss")
 
 
 def test_scaffolded_env_plugin_installs_evaluates_and_its_tests_pass(venv, tmp_path):
-    made = cli(venv, "new-plugin", "letter-count", "--kind", "env", "--dir", str(tmp_path))
-    assert made.returncode == 0, made.stderr
-    root = tmp_path / "i3-plugin-letter-count"
-    pip_install(venv, "-e", str(root))
-    report = json.loads(cli(venv, "plugins", "--json").stdout)
-    plugin = next(p for p in report["plugins"] if p["name"] == "letter-count")
-    assert plugin["distribution"] == "i3-plugin-letter-count" and plugin["components"] == {"env": ["letter-count"]}
-    tests = subprocess.run(
-        [python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert tests.returncode == 0, tests.stdout + tests.stderr
-    assert "4 passed" in tests.stdout
+    assert "4 passed" in scaffold_and_test(venv, tmp_path, "letter-count", "env", "--kind", "env")
     # the smoke test of an env: rollouts against a builtin server on fresh weights, rewards printed
     evaluated = cli(venv, "env", "eval", "letter-count", "--n", "3", "--set", "max_tokens=24", "--json")
     assert evaluated.returncode == 0, evaluated.stderr
