@@ -4,6 +4,7 @@ import json
 import math
 import struct
 import sys
+import time
 
 import matplotlib.image
 import pytest
@@ -96,15 +97,24 @@ def test_wandb_sink_offline_writes_a_run_under_the_output_dir(tmp_path):
         sink.write(step, metrics)
     sink.close()
     (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb's service process writes the file: run.finish() can return before its last records are flushed.
+    # The run is whole once its exit record is there (bounded wait: 30 s).
+    for _ in range(300):
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        time.sleep(0.1)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "exit" in kinds, f"no exit record in {path} ({path.stat().st_size} bytes): {kinds}"
     history, runs = [], []
-    for record in wandb_records(path):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in record.history.item})
         elif kind == "run":
             runs.append(record.run)
-    assert [(h["_step"], h["loss"], h["reward/mean"]) for h in history] == [(1, 0.5, 0.25), (2, -0.125, 0.5)]
+    assert [(h["_step"], h["loss"], h["reward/mean"]) for h in history] == [(1, 0.5, 0.25), (2, -0.125, 0.5)], kinds
     assert runs[0].project == "i3core-tests" and runs[0].display_name == "wb-test"
     config = {item.key: json.loads(item.value_json) for item in runs[0].config.update}
     assert config["loss"] == {"use": "icepop"}
