@@ -11,6 +11,7 @@ from pathlib import Path
 
 from i3core import __version__
 from i3core.errors import ConfigError, I3Error
+from i3core.files import disk_full
 
 DEBUG_ENV = "I3CORE_DEBUG"
 """Set to 1 to let unexpected exceptions show their traceback."""
@@ -63,6 +64,11 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
                             help=SandboxConfig.model_fields[name].description)  # fmt: skip
 
 
+def _add_resume(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest "
+                        "complete checkpoint (every role of the run takes it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="i3core",
@@ -78,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run every role of plugins.toml on this machine", description="Validate the "
                               "config, build every component and run the training job.")
     _add_config_args(run)
+    _add_resume(run)
     run.set_defaults(func=cmd_run)
 
     check = commands.add_parser("check", help="validate plugins.toml only (exit 2 on problems)",
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = commands.add_parser("trainer", help="the trainer role alone (run it under torchrun)",
                                   description="Run only the trainer; `i3core run` starts it for you.")
     _add_config_args(trainer)
+    _add_resume(trainer)
     trainer.set_defaults(func=cmd_trainer)
 
     agent = commands.add_parser("sandbox-agent", help="serve one sandbox's HTTP API (the Kubernetes sidecar)",
@@ -137,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     inference.add_argument("--index", type=int, default=0, help="this server's index among the run's servers")
     inference.add_argument("--port", type=int, default=8000, help="port to listen on")
     inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
+    _add_resume(inference)
     inference.set_defaults(func=cmd_inference)
 
     orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
@@ -145,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(orchestrator)
     orchestrator.add_argument("--servers", nargs="+", required=True, metavar="URL",
                               help="base URLs of the inference servers (http://host:port)")
+    _add_resume(orchestrator)
     orchestrator.set_defaults(func=cmd_orchestrator)
 
     launch = commands.add_parser("launch", help="render Slurm or Kubernetes launch files for the three roles",
@@ -210,13 +220,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     config, plugins = load_config(args.config, args.overrides)
     config = run.with_defaults(config, plugins)  # a contradiction with a default section: exit 2, nothing written
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "run.jsonl")
-    return run.execute(config, plugins)
+    return run.execute(config, plugins, resume=args.resume)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core import trainer
 
-    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
+    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides), *(["--resume"] if args.resume else [])])
 
 
 def cmd_sandbox_agent(args: argparse.Namespace) -> int:
@@ -237,7 +247,7 @@ def cmd_inference(args: argparse.Namespace) -> int:
     from i3core import roles
 
     config, _ = _role_config(args)
-    return roles.serve(config, args.index, args.port, args.host)
+    return roles.serve(config, args.index, args.port, args.host, resume=args.resume)
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
@@ -245,7 +255,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
     config, plugins = _role_config(args)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
-    return roles.orchestrate(config, plugins, args.servers)
+    return roles.orchestrate(config, plugins, args.servers, resume=args.resume)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -411,8 +421,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
+        if disk_full(exc):
+            print(f"error: {_full_disk_line(args, exc)}", file=sys.stderr)
+            return 1
         print(f"internal error: {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         return 1
+
+
+def _full_disk_line(args: argparse.Namespace, exc: BaseException) -> str:
+    """What a write on a full disk says: where, and the checkpoint to resume from when it is a run's."""
+    from i3core.config import load_config
+    from i3core.trainer import full_disk_message
+
+    try:
+        config, _ = load_config(args.config, args.overrides)
+    except (AttributeError, I3Error):
+        return f"no space left on device: {exc}"
+    return full_disk_message(config.run.out, exc)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ class TrainerSection(BaseModel):
     nproc: int = Field(1, ge=1, description="Trainer processes (torchrun --nproc-per-node); >1 shards with FSDP2.")
     threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest complete checkpoints kept; older ones are deleted.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from lr/N to lr.")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning rate after the warm-up: constant, or decayed to 0 at run.max_steps.")
     activation_memory: Literal["keep", "checkpoint", "offload"] = Field(
         "keep", description="Activations saved for backward: keep them, recompute each block (checkpoint), "
                             "or move them to host memory (offload).")  # fmt: skip

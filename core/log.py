@@ -20,18 +20,29 @@ class _JsonLinesTee:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file: IO[str] = open(path, "a", encoding="utf-8")
+        self._file: IO[str] | None = open(path, "a", encoding="utf-8")
 
     def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
         row = dict(event_dict)
         if row.get("exc_info"):
             row["exception"] = "".join(traceback.format_exception(*_exc_tuple(row.pop("exc_info"))))
-        self._file.write(json.dumps(row, default=str) + "\n")
-        self._file.flush()
+        if self._file is None:
+            return event_dict
+        try:
+            self._file.write(json.dumps(row, default=str) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk must not turn every log call into an error: the console goes on
+            self.close()
+            print(f"warning: {self.path} is no longer written: {exc.strerror or exc}", file=sys.stderr)
         return event_dict
 
     def close(self) -> None:
-        self._file.close()
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
 
 
 _tee: _JsonLinesTee | None = None

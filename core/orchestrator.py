@@ -39,11 +39,12 @@ import math
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
 
+from i3core.checkpoint import OrchestratorState
 from i3core.errors import I3Error, RolloutMasked, ServerError
 from i3core.events import end_step, group_kept
 from i3core.files import atomic_torch_save
@@ -85,6 +86,12 @@ class Ledger:
         """Started rollouts in no bucket (0 unless the accounting is broken); ``in_flight`` is counted, not derived."""
         return self.started - self.trained - self.dropped_stale - self.masked - self.failed - in_flight
 
+    @classmethod
+    def resumed(cls, saved: dict) -> "Ledger":
+        """The ledger saved in a checkpoint (:meth:`Orchestrator._state`), counting on from there."""
+        fields = {k: v for k, v in saved.items() if k != "masked_reasons"}
+        return cls(**fields, masked_reasons=Counter(saved.get("masked_reasons", {})))
+
     def mask(self, reason: str, count: int = 1) -> None:
         self.masked += count
         self.masked_reasons[reason] += count
@@ -124,6 +131,8 @@ class OpenGroup:
     example: Example
     slot: ClientSlot
     outstanding: int
+    position: int
+    """Where the example was in the prompt stream (what a resumed run draws again)."""
     rollouts: list[Rollout] = field(default_factory=list)
 
 
@@ -150,12 +159,18 @@ class Orchestrator:
     """The ``[sandbox]`` component, if any: :meth:`run` keeps a pool of its sandboxes for the env's rollouts."""
     all_down_timeout_s: float = ALL_DOWN_TIMEOUT_S
     ledger: Ledger = field(default_factory=Ledger)
+    resume: OrchestratorState | None = None
+    """The state saved with the checkpoint a resumed run continues from (:mod:`i3core.checkpoint`)."""
 
     def __post_init__(self):
         self.paths = RunPaths(self.config.run.out)
         self.max_steps = self.config.run.max_steps
         self.served_version = 0
         self.step = 1
+        if self.resume is not None:
+            self.served_version = self.step = self.resume.step
+            self.step += 1
+            self.ledger = Ledger.resumed(self.resume.ledger)
         self._rr = itertools.count()
         self._batch_metrics: dict[int, dict[str, float]] = {}
         self._pending: deque[Job] = deque()
@@ -164,6 +179,10 @@ class Orchestrator:
         self._open: set[OpenGroup] = set()
         self._scoring: dict[asyncio.Task, OpenGroup] = {}
         self._ready: list[Group] = []
+        self._next_position = 0 if self.resume is None else self.resume.next_position
+        """Prompts drawn from the stream so far (the position of the next new one)."""
+        self._positions: dict[int, int] = {}
+        """Stream position of each finished group in ``_ready``, by ``id(group)``."""
         self._wake = asyncio.Event()
         self._started = time.perf_counter()
         self._all_down_since: float | None = None
@@ -245,7 +264,9 @@ class Orchestrator:
             slot = self._next_client(capacity)
             if slot is None:
                 break
-            group = OpenGroup(next(self._examples), slot, outstanding=size)
+            position, example = next(self._examples)
+            self._next_position = max(self._next_position, position + 1)
+            group = OpenGroup(example, slot, outstanding=size, position=position)
             self._open.add(group)
             for _ in range(size):
                 job = Job(group, slot)
@@ -303,7 +324,7 @@ class Orchestrator:
             self._open.discard(group)
             error = asyncio.CancelledError("group scoring was cancelled") if task.cancelled() else task.exception()
             if error is None:
-                self._close_group(Group(group.example, group.rollouts))
+                self._close_group(Group(group.example, group.rollouts), group.position)
             elif isinstance(error, Exception | asyncio.CancelledError):  # counted as failed, the run goes on
                 self.ledger.failed += len(group.rollouts)
                 log.warning("group scoring failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
@@ -315,13 +336,13 @@ class Orchestrator:
         score_group = getattr(self.env, "score_group", None)
         if score_group is None or not group.rollouts:
             self._open.discard(group)
-            self._close_group(Group(group.example, group.rollouts))
+            self._close_group(Group(group.example, group.rollouts), group.position)
             return
         task = asyncio.create_task(score_group(group.rollouts))
         task.add_done_callback(lambda _: self._wake.set())
         self._scoring[task] = group
 
-    def _close_group(self, group: Group) -> None:
+    def _close_group(self, group: Group, position: int) -> None:
         if not group.rollouts:
             return
         if not group_kept(self.plugins.hook, group):
@@ -338,6 +359,7 @@ class Orchestrator:
         group.rollouts[:] = kept
         if kept:
             self._ready.append(group)
+            self._positions[id(group)] = position
 
     def _in_flight(self) -> int:
         """Started rollouts not yet trained, dropped, masked or failed, counted where they are."""
@@ -347,6 +369,18 @@ class Orchestrator:
         return running + requeued + finished
 
     def _example_stream(self):
+        """``(position, example)`` in the order prompts are drawn; a resumed run first draws again the positions
+        its checkpoint had not accounted for, then goes on from where the stream was."""
+        positions = enumerate(self._examples_in_order())
+        if self.resume is None:
+            yield from positions
+            return
+        redraw, next_position = set(self.resume.redraw), self.resume.next_position
+        for position, example in positions:
+            if position >= next_position or position in redraw:
+                yield position, example
+
+    def _examples_in_order(self):
         rng = random.Random(self.config.run.seed)
         stream = getattr(self.env, "example_stream", None)
         if stream is not None:
@@ -366,6 +400,7 @@ class Orchestrator:
         for group in ready:
             if self.scheduler.is_stale(min(r.oldest_version for r in group.rollouts), step):
                 self.ledger.dropped_stale += len(group.rollouts)
+                del self._positions[id(group)]
             else:
                 fresh.append(group)
         ready[:] = fresh
@@ -378,15 +413,26 @@ class Orchestrator:
             assign_advantages(group.rollouts)
         batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
-        atomic_torch_save(batch, self.paths.batch(step))
         self.ledger.trained += len(rollouts)
+        # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
+        self._state(step, [self._positions.pop(id(g)) for g in groups]).save(self.paths.orchestrator_state(step))
+        atomic_torch_save(batch, self.paths.batch(step))
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
         return True
+
+    def _state(self, step: int, batch_positions: list[int]) -> OrchestratorState:
+        """What a run resumed from the checkpoint of ``step`` continues with: groups not in a batch yet are
+        drawn again, so their rollouts leave the ledger (``started`` counts only accounted ones)."""
+        redraw = sorted([g.position for g in self._open] + list(self._positions.values()))
+        accounted = self.ledger.started - self._in_flight()
+        ledger = {**asdict(self.ledger), "started": accounted, "masked_reasons": dict(self.ledger.masked_reasons)}
+        return OrchestratorState(step=step, next_position=self._next_position, redraw=redraw, ledger=ledger,
+                                 batch_positions=batch_positions)
 
     # -- trainer watch -----------------------------------------------------------
 
     async def _watch_trainer(self) -> None:
-        step = 1
+        step = self.step  # 1, or the first step after the checkpoint a resumed run continues from
         while step <= self.max_steps:
             metrics_path = self.paths.trainer_metrics(step)
             if not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):

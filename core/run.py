@@ -8,7 +8,10 @@ what is missing.
 """
 
 import asyncio
+import errno
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,11 +21,13 @@ from typing import Any
 
 import structlog
 
+from i3core import checkpoint
+from i3core.checkpoint import OrchestratorState
 from i3core.config import RunConfig, validate
 from i3core.errors import I3Error
 from i3core.manager import Plugins
 from i3core.lifetime import mark_run
-from i3core.trainer import RunPaths
+from i3core.trainer import RunPaths, full_disk_message
 
 log = structlog.get_logger("i3core.run")
 
@@ -42,6 +47,8 @@ names it or one more sink."""
 TRAINER_START_TIMEOUT_S = 900.0
 """The trainer publishes version 0 after its SFT warm start; that must happen within this bound."""
 TRAINER_EXIT_TIMEOUT_S = 120.0
+FULL_DISK_BYTES = 1 << 20
+"""Free space under which a trainer that left no error line is taken to have failed on the full disk."""
 
 
 @dataclass
@@ -60,7 +67,10 @@ class Run:
         for obj in [*reversed(components), *(s for s in self.sinks if all(s is not c for c in components))]:
             closer = getattr(obj, "close", None)
             if callable(closer):
-                closer()
+                try:
+                    closer()
+                except Exception as exc:  # the next ones still close; the run's own error, if any, is the one shown
+                    log.warning("close failed", component=type(obj).__name__, error=f"{type(exc).__name__}: {exc}")
 
 
 def with_defaults(config: RunConfig, plugins: Plugins) -> RunConfig:
@@ -95,12 +105,20 @@ def build(config: RunConfig, plugins: Plugins) -> Run:
     return run
 
 
-def execute(config: RunConfig, plugins: Plugins) -> int:
+def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
     """Run to the end; the lifecycle hooks fire even when the run fails or is interrupted.
 
+    :param resume: continue the run in ``output_dir`` from its newest complete checkpoint (:mod:`i3core.checkpoint`).
     :return: the process exit code.
     """
     config = with_defaults(config, plugins)
+    trains = all(config.get(s) is not None for s in TRAINING_SECTIONS)
+    start = prepare_resume(config) if resume and trains else None
+    if resume and not trains:
+        raise I3Error("--resume continues a training run; this config has no " +
+                      ", ".join(f"[{s}]" for s in TRAINING_SECTIONS if config.get(s) is None))
+    if not resume and trains:
+        checkpoint.refuse_fresh_start_over(config.run.out)
     run = build(config, plugins)
     status = "failed"
     try:
@@ -118,8 +136,8 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
             can_train = getattr(run.components["model"], "check_can_train", None)
             if can_train is not None:  # the trainer runs on this machine: a model that cannot says so now
                 can_train()
-            log.info("starting", built=built)
-            train(run)
+            log.info("starting", built=built, **({} if start is None else {"resumed_from_step": start.step}))
+            train(run, start)
         status = "completed"
         return 0
     except KeyboardInterrupt:
@@ -131,8 +149,39 @@ def execute(config: RunConfig, plugins: Plugins) -> int:
         log.info("run ended", status=status, output_dir=str(run.output_dir))
 
 
-def train(run: Run) -> None:
-    """Start the trainer and the inference servers, run the orchestrator, stop everything."""
+def prepare_resume(config: RunConfig) -> OrchestratorState:
+    """Find the checkpoint to continue from and undo what the run did after it (batches, weight versions, metric
+    rows of later steps), before anything opens the run's files; the orchestrator's state saved with it."""
+    out = config.run.out
+    step = checkpoint.resume_step(out)
+    directory = checkpoint.checkpoint_dir(out / "checkpoints", step)
+    saved = out / "config.resolved.json"
+    if saved.exists():
+        before = json.loads(saved.read_text())
+        for section in ("model", "trainer"):
+            old, new = before.get(section, {}), config.to_dict().get(section, {})
+            changed = sorted(k for k in {*old, *new} - {"checkpoint_every", "keep_checkpoints", "threads"}
+                             if old.get(k) != new.get(k))
+            if changed:
+                raise I3Error(f"--resume needs the [{section}] the run was started with; changed: "
+                              + ", ".join(f"{section}.{k}" for k in changed))
+    if step >= config.run.max_steps:
+        raise I3Error(f"checkpoint step_{step} is already at run.max_steps = {config.run.max_steps}: nothing to "
+                      "resume (raise run.max_steps to train on)")
+    if not (directory / checkpoint.ORCHESTRATOR).exists():
+        raise I3Error(f"checkpoint step_{step} has no orchestrator state (the trainer ran without `i3core run`): "
+                      "it cannot resume a run")
+    state = checkpoint.OrchestratorState.load(directory / checkpoint.ORCHESTRATOR)
+    paths = RunPaths(out)
+    for directory in (paths.broadcasts, paths.orchestrator, paths.trainer, paths.batches):
+        checkpoint.drop_after(directory, step)
+    checkpoint.truncate_metrics(out / "metrics.jsonl", step)
+    return state
+
+
+def train(run: Run, start: OrchestratorState | None = None) -> None:
+    """Start the trainer and the inference servers, run the orchestrator, stop everything; from the checkpoint
+    whose orchestrator state is ``start`` when resuming."""
     from i3core.orchestrator import ClientSlot, Orchestrator
     from i3core.sandbox_pool import check_env_has_sandboxes
 
@@ -147,9 +196,11 @@ def train(run: Run) -> None:
     (run.output_dir / "logs").mkdir(exist_ok=True)
     mark_run()  # the trainer and the servers stop by themselves if this process is killed
     trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
+    version = 0 if start is None else start.step
     trainer = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.trainer.nproc),
-         "-m", "i3core.trainer", str(run.output_dir / "config.resolved.json")],
+         "-m", "i3core.trainer", str(run.output_dir / "config.resolved.json"),
+         *([] if start is None else ["--resume", str(start.step)])],
         stdout=trainer_log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     source = run.components["inference"]
@@ -159,18 +210,19 @@ def train(run: Run) -> None:
         receiver = sync.receiver(paths.broadcasts) if hasattr(sync, "receiver") else None
         if receiver is not None:
             rendezvous = sync.host(paths.broadcasts, source.config.servers)
-        _wait_for_version_0(trainer, sync, paths, run.output_dir)
+        _wait_for_first_version(trainer, sync, paths, run.output_dir, version)
         model = run.components["model"]
         tokenizer = model.tokenizer()
         stop_ids = stop_token_ids(model, env)
         extra = {} if receiver is None else {"receiver": receiver}
-        urls = source.start(sync.location(paths.broadcasts, 0), run.output_dir / "logs", **extra)
+        urls = source.start(sync.location(paths.broadcasts, version), run.output_dir / "logs", version=version, **extra)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
-                                    run.sinks, progress=_progress(config.run.max_steps), sandbox_backend=sandbox)
+                                    run.sinks, progress=_progress(config.run.max_steps, version),
+                                    sandbox_backend=sandbox, resume=start)
         asyncio.run(_orchestrate(orchestrator, trainer, clients))
     finally:
-        paths.stop().write_text("")
+        paths.request_stop()
         try:
             trainer.wait(timeout=TRAINER_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -204,9 +256,10 @@ def stop_token_ids(model, env) -> list[int]:
     return model.tokenizer().encode(env.stop_text).ids + [model.eos_token_id]
 
 
-def _wait_for_version_0(trainer: subprocess.Popen, sync, paths: RunPaths, out: Path) -> None:
+def _wait_for_first_version(trainer: subprocess.Popen, sync, paths: RunPaths, out: Path, version: int) -> None:
+    """Wait for the trainer's first version (0 after its SFT warm start, or the checkpoint it resumed from)."""
     deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
-    while not sync.is_ready(paths.broadcasts, 0):
+    while not sync.is_ready(paths.broadcasts, version):
         if trainer.poll() is not None:
             raise trainer_failure(trainer.returncode, out, "before publishing weights")
         if time.monotonic() > deadline:
@@ -225,6 +278,8 @@ def trainer_failure(returncode: int, out: Path, when: str = "") -> I3Error:
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
     if errors:
         return I3Error(errors[-1])
+    if shutil.disk_usage(out).free < FULL_DISK_BYTES:  # the trainer's own error line could not be written
+        return I3Error(full_disk_message(out, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
     return I3Error(f"the trainer exited with {returncode}{' ' + when if when else ''}; see {log_path}")
 
 
@@ -252,17 +307,17 @@ async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None
             await slot.client.close()
 
 
-def _progress(total: int):
+def _progress(total: int, done: int = 0):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(
         TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"), transient=False,
     )  # fmt: skip
-    task = progress.add_task("steps", total=total, status="")
+    task = progress.add_task("steps", total=total, completed=done, status="")
 
     def update(step: int, metrics: dict) -> None:
-        if step == 1:
+        if step == done + 1:
             progress.start()
         status = f"reward {metrics.get('reward/mean', float('nan')):.3f}  loss {metrics.get('loss', float('nan')):+.4f}"
         progress.update(task, completed=step, status=status)
@@ -278,5 +333,5 @@ def _plot(out: Path) -> None:
 
     try:
         plot_run(out)
-    except I3Error as exc:
+    except (I3Error, OSError) as exc:  # OSError: a full disk; the run's own error stays the one shown
         log.warning("no plots", reason=str(exc))

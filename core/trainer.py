@@ -17,6 +17,7 @@ Run: ``torchrun --standalone --nproc-per-node 1 -m i3core.trainer plugins.toml``
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -26,11 +27,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute
 
+from i3core import checkpoint
 from i3core.config import RunConfig, load_config
 from i3core.errors import I3Error
-from i3core.files import atomic_write_bytes
+from i3core.files import atomic_write_bytes, disk_full, write_torch
 from i3core.lifetime import run_gone
 from i3core.packing import Sample, pack
 from i3core.perf import SavedActivations, matmul_peak_flops
@@ -50,6 +52,7 @@ class RunPaths:
         self.broadcasts = out / "broadcasts"
         self.trainer = out / "trainer"
         self.checkpoints = out / "checkpoints"
+        self.orchestrator = out / "orchestrator"
 
     def batch(self, step: int) -> Path:
         return self.batches / f"step_{step}.pt"
@@ -57,11 +60,23 @@ class RunPaths:
     def trainer_metrics(self, step: int) -> Path:
         return self.trainer / f"step_{step}.json"
 
+    def orchestrator_state(self, step: int) -> Path:
+        """The orchestrator's state when it cut the batch of ``step`` (copied into that step's checkpoint)."""
+        return self.orchestrator / f"step_{step}.json"
+
     def stop(self) -> Path:
         return self.out / STOP
 
+    def request_stop(self) -> None:
+        """Tell the trainer to finish. On a full disk the file may not be creatable: the trainer also stops
+        when the run's process is gone (:mod:`i3core.lifetime`)."""
+        try:
+            self.stop().touch()
+        except OSError:
+            pass
+
     def make(self) -> None:
-        for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints):
+        for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints, self.orchestrator):
             path.mkdir(parents=True, exist_ok=True)
 
 
@@ -81,7 +96,7 @@ def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: floa
         return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
 
     pieces = [
-        checkpoint(chunk_logprobs, h, t, use_reentrant=False)
+        recompute(chunk_logprobs, h, t, use_reentrant=False)
         for h, t in zip(flat_hidden.split(chunk), flat_targets.split(chunk))
     ]
     logprobs = torch.cat(pieces).reshape(rows, cols)
@@ -134,8 +149,10 @@ class PublishedWeights:
     collectives on a sharded model: every rank must call the same one.
     """
 
-    def __init__(self, trainer: "Trainer", version: int):
+    def __init__(self, trainer: "Trainer", version: int, initial: bool = False):
         self.version = version
+        self.initial = initial
+        """The first version this trainer publishes (0, or the step it resumed from): the servers start from it."""
         self.rank = trainer.rank
         self._trainer = trainer
 
@@ -161,7 +178,7 @@ class Trainer:
     FSDP2 averages gradients over ranks while the loss is already normalised by the global
     token count."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, resume_step: int | None = None):
         self.config = config
         self.paths = RunPaths(config.run.out)
         self.model_component = config.get("model").build()
@@ -171,6 +188,9 @@ class Trainer:
         self.model.train()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.resume_step = resume_step
+        if resume_step is not None:  # the full state, loaded before sharding
+            self._trainer_state = self._load_resume_state(resume_step)
         parallelize = getattr(self.model_component, "parallelize", None)
         if parallelize is not None:  # the model applies its own activation checkpointing and FSDP2
             parallelize(self.model, world=self.world, checkpoint=config.trainer.activation_memory == "checkpoint",
@@ -233,9 +253,9 @@ class Trainer:
 
     # -- publishing ----------------------------------------------------------
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, initial: bool = False) -> None:
         """Publish the weights as ``version`` through the weight-sync component (every rank calls it)."""
-        self.weight_sync.publish(self.paths.broadcasts, PublishedWeights(self, version))
+        self.weight_sync.publish(self.paths.broadcasts, PublishedWeights(self, version, initial))
 
     # -- SFT -----------------------------------------------------------------
 
@@ -369,58 +389,139 @@ class Trainer:
         return {"perf/model_flops": flops, "perf/flops_per_s": achieved, "perf/peak_flops_per_s": peak,
                 "perf/mfu": achieved / (peak * self.world)}
 
-    def checkpoint(self, step: int, optimizer) -> None:
-        """``checkpoints/step_N/``: the full model (rank 0) and each rank's optimizer state, renamed into place."""
-        target = self.paths.checkpoints / f"step_{step}"
+    # -- checkpoints ---------------------------------------------------------------
+
+    def _load_resume_state(self, step: int) -> dict:
+        """Load checkpoint ``step``'s model into the (not yet sharded) model; its trainer state for :meth:`run`."""
+        directory = checkpoint.checkpoint_dir(self.paths.checkpoints, step)
+        if step not in checkpoint.complete_steps(self.paths.checkpoints):
+            raise I3Error(f"no complete checkpoint step_{step} under {self.paths.checkpoints}")
+        state = torch.load(directory / checkpoint.TRAINER, weights_only=False)
+        if state["world"] != self.world:
+            raise I3Error(f"checkpoint step_{step} was written by {state['world']} trainer processes; resume it "
+                          f"with trainer.nproc = {state['world']} (now {self.world})")
+        self.model.load_state_dict(torch.load(directory / checkpoint.MODEL, weights_only=False)["model"])
+        return state
+
+    def _resume_optimizer(self, optimizer, schedule) -> None:
+        directory = checkpoint.checkpoint_dir(self.paths.checkpoints, self.resume_step)
+        saved = torch.load(directory / checkpoint.optimizer_file(self.rank), weights_only=False)
+        checkpoint.load_local_optimizer_state(optimizer, saved)
+        schedule.load_state_dict(self._trainer_state["lr_schedule"])
+        torch.set_rng_state(self._trainer_state["rng"])
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Whether every rank is ``ok`` (a collective when sharded, so also a barrier)."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def checkpoint(self, step: int, optimizer, schedule) -> None:
+        """``checkpoints/step_N/`` (see :mod:`i3core.checkpoint`), staged in ``.step_N.tmp`` and renamed into place;
+        then checkpoints beyond the newest ``trainer.keep_checkpoints`` are deleted. A failed write (a full disk)
+        removes the staging directory and leaves every complete checkpoint as it was."""
+        root = self.paths.checkpoints
+        target = checkpoint.checkpoint_dir(root, step)
         staging = target.with_name(f".{target.name}.tmp")
-        state = self.full_state()
-        if self.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            torch.save({"model": state, "step": step}, staging / "model.pt")
-        if self.world > 1:
-            dist.barrier()
-        torch.save(optimizer.state_dict(), staging / f"optimizer-rank{self.rank}.pt")
-        if self.world > 1:
-            dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staging, target)
+        model_state = self.full_state()
+        error = None
+        try:
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+                write_torch({"model": model_state, "step": step}, staging / checkpoint.MODEL)
+                write_torch({"step": step, "world": self.world, "lr_schedule": schedule.state_dict(),
+                             "rng": torch.get_rng_state()}, staging / checkpoint.TRAINER)
+                orchestrator = self.paths.orchestrator_state(step)
+                if orchestrator.exists():  # absent when the trainer runs on batches it did not get from a run
+                    shutil.copyfile(orchestrator, staging / checkpoint.ORCHESTRATOR)
+        except OSError as exc:
+            error = exc
+        if self._all_ok(error is None):
+            try:
+                write_torch(checkpoint.local_optimizer_state(optimizer), staging / checkpoint.optimizer_file(self.rank))
+            except OSError as exc:
+                error = exc
+        ok = self._all_ok(error is None)
+        if self.rank == 0 and ok:
+            try:
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
+            except OSError as exc:
+                ok, error = False, exc
+            else:
+                checkpoint.prune(root, self.config.trainer.keep_checkpoints)
+        if not ok:
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            last = checkpoint.latest(root)
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error or "another rank failed")
+            kept = f"the last complete checkpoint is step_{last}" if last is not None else "no checkpoint was written yet"
+            raise I3Error(f"checkpoint step_{step} could not be written under {root}: {reason}; {kept}")
 
     def run(self) -> None:
         self.paths.make()
-        if self.config.sft.steps:
+        start = self.resume_step or 0
+        if self.rank == 0:
+            checkpoint.clear_staging(self.paths.checkpoints)
+        if self.config.sft.steps and self.resume_step is None:
             self.sft()
-        self.publish(0)
+        self.publish(start, initial=True)
         loss_fn = self.config.get("loss").build()
         optimizer = self.config.get("optimizer").build().build(self.model.named_parameters())
+        schedule = lr_schedule(optimizer, self.config.trainer, self.config.run.max_steps)
+        if self.resume_step is not None:
+            self._resume_optimizer(optimizer, schedule)
         peak = matmul_peak_flops(self.device)
         every = self.config.trainer.checkpoint_every
-        last = 0
-        for step in range(1, self.config.run.max_steps + 1):
+        last = start
+        for step in range(start + 1, self.config.run.max_steps + 1):
             batch = self.wait_for_batch(step)
             if batch is None:
                 break
-            start = time.perf_counter()
+            start_time = time.perf_counter()
             metrics = self.train_step(batch, loss_fn, optimizer, version=step - 1)
-            compute_s = time.perf_counter() - start
+            metrics["lr"] = optimizer.param_groups[0]["lr"]
+            schedule.step()
+            compute_s = time.perf_counter() - start_time
             self.publish(step)
-            metrics["step_time_s"] = time.perf_counter() - start
+            metrics["step_time_s"] = time.perf_counter() - start_time
             metrics.update(self.utilisation(batch, compute_s, peak))
             if self.rank == 0:
                 atomic_write_bytes(self.paths.trainer_metrics(step), json.dumps(metrics).encode())
             last = step
             if every and step % every == 0:
-                self.checkpoint(step, optimizer)
-        if last:
-            self.checkpoint(last, optimizer)
+                self.checkpoint(step, optimizer, schedule)
+        if last > start and not (every and last % every == 0):
+            self.checkpoint(last, optimizer, schedule)
+
+
+def lr_schedule(optimizer, tcfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of step s (1-based) is each group's lr times f(s - 1): a linear warm-up over
+    ``lr_warmup_steps``, then ``constant``, or a ``linear``/``cosine`` decay to 0 at ``max_steps``."""
+    warmup, decay = tcfg.lr_warmup_steps, tcfg.lr_decay
+
+    def factor(done: int) -> float:
+        if done < warmup:
+            return (done + 1) / warmup
+        if decay == "constant":
+            return 1.0
+        progress = min(1.0, (done - warmup) / max(1, max_steps - warmup))
+        return 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="i3core trainer", description="The trainer role (run it under torchrun).")
     parser.add_argument("config", type=Path, help="plugins.toml or a run's config.resolved.json")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="STEP",
+                        help="continue from checkpoint STEP of the run's output_dir (default: the newest complete one)")
     args = parser.parse_args(argv)
+    config = None
     try:
         from i3core.run import with_defaults  # run imports this module
 
@@ -431,15 +532,36 @@ def main(argv=None) -> int:
         torch.set_num_threads(config.trainer.threads)
         if "RANK" in os.environ and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        Trainer(config).run()
+        resume = None
+        if args.resume is not None:
+            resume = checkpoint.resume_step(config.run.out) if args.resume == "latest" else _step_arg(args.resume)
+        Trainer(config, resume_step=resume).run()
         return 0
     except I3Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 1)
+    except Exception as exc:
+        if config is None or not disk_full(exc):
+            raise
+        print(f"error: {full_disk_message(config.run.out, exc)}", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+def _step_arg(text: str) -> int:
+    if not text.isdigit():
+        raise I3Error(f"--resume takes a step number (or nothing, for the newest checkpoint), not {text!r}")
+    return int(text)
+
+
+def full_disk_message(out: Path, exc: BaseException) -> str:
+    """One line for a write that failed on a full disk: what failed and the checkpoint to resume from."""
+    last = checkpoint.latest(out / "checkpoints")
+    kept = (f"the last complete checkpoint is step_{last}: free space, then resume with --resume" if last is not None
+            else "no checkpoint was written yet")
+    what = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+    return f"the disk under {out} is full ({what}); {kept}"
 
 
 if __name__ == "__main__":

@@ -53,13 +53,16 @@ def quickstart_run(tmp_path: Path, *sets: str, replace: dict[str, str] | None = 
     return proc, out, rows
 
 
-def torchrun_trainer(config_path: Path, nproc: int, timeout: float = 300) -> None:
+def trainer_command(config_path: Path, nproc: int, *args: str) -> list[str]:
+    """``torchrun ... -m i3core.trainer CONFIG ARGS``: the trainer role as ``i3core run`` starts it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "i3core.trainer", str(config_path), *args]
+
+
+def torchrun_trainer(config_path: Path, nproc: int, *args: str, timeout: float = 300) -> None:
     """The trainer role under torchrun on ``config_path``; asserts it exits 0."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         "-m", "i3core.trainer", str(config_path)],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+    result = subprocess.run(trainer_command(config_path, nproc, *args), capture_output=True, text=True,
+                            timeout=timeout, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
 

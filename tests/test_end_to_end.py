@@ -16,15 +16,32 @@ pytestmark = pytest.mark.slow
 LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
 
 
-def start_run(out, *sets):
+def start_run(out, *sets, resume=False):
     args = [sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "quickstart.toml"),
-            "--set", f"run.output_dir='{out}'", *[a for s in sets for a in ("--set", s)]]
+            "--set", f"run.output_dir='{out}'", *[a for s in sets for a in ("--set", s)],
+            *(["--resume"] if resume else [])]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def read_metrics(out):
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_step(proc, out, step: int, timeout: float = 300.0) -> None:
+    """Until ``out``'s metrics.jsonl has ``step`` rows; fails if the run exits first."""
+    deadline = time.monotonic() + timeout
+    while len(read_metrics(out)) < step:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+def assert_ledger(rows) -> None:
+    """The rollout ledger adds up on every row."""
+    for row in rows:
+        assert row["rollouts/started"] == sum(row[k] for k in LEDGER), row
+        assert row["rollouts/in_flight"] >= 0
 
 
 def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
@@ -60,11 +77,7 @@ def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_pa
     out = tmp_path / "run"
     proc = start_run(out, "run.max_steps=40", "sft.steps=5")
     try:
-        deadline = time.monotonic() + 300
-        while len(read_metrics(out)) < 3:
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_step(proc, out, 3)
         pids = server_pids(out)
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)

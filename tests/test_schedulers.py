@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from i3core.config import validate
 from i3core.testing import plugin_manager
 
-from .test_end_to_end import LEDGER, read_metrics, server_pids
+from .test_end_to_end import assert_ledger, read_metrics, server_pids, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -63,20 +62,6 @@ def start(tmp_path, steps: int, scheduler: str, timeout: float = 600.0):
     proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "run", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     return out, proc
-
-
-def wait_for_step(proc, out, step: int, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(read_metrics(out)) < step:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, f"step {step} not reached in {timeout:.0f}s"
-        time.sleep(0.05)
-
-
-def assert_ledger(rows) -> None:
-    for row in rows:
-        assert row["rollouts/started"] == sum(row[k] for k in LEDGER), row
-        assert row["rollouts/in_flight"] >= 0
 
 
 def test_the_config_resolves_with_the_simulated_source(tmp_path):

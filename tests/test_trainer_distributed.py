@@ -32,16 +32,23 @@ def make_batches(out, steps):
         torch.save(pack(samples, seq_len=16), out / "batches" / f"step_{step}.pt")
 
 
+def trainer_config(tmp_path, out, nproc, steps, optimizer, **trainer):
+    """A trainer-only config (the trainer role on prepared batches) written next to ``out``; its path."""
+    data = {"run": {"output_dir": str(out), "max_steps": steps}, "model": MODEL,
+            "env": {"use": "reverse-text"}, "loss": {"use": "icepop"}, "optimizer": optimizer,
+            "weight_sync": {"use": "filesystem"},
+            "trainer": {"seq_len": 16, "micro_batch_rows": 3, "nproc": nproc, **trainer}}
+    config = validate(data, plugin_manager(installed=False))
+    path = tmp_path / f"config-{out.name}.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return path
+
+
 def train(tmp_path, nproc, steps=2, optimizer=None):
     optimizer = optimizer or {"use": "adamw", "lr": 1e-2}
     out = tmp_path / f"nproc{nproc}-{optimizer['use']}"
     make_batches(out, steps)
-    data = {"run": {"output_dir": str(out), "max_steps": steps}, "model": MODEL,
-            "env": {"use": "reverse-text"}, "loss": {"use": "icepop"}, "optimizer": optimizer,
-            "weight_sync": {"use": "filesystem"}, "trainer": {"seq_len": 16, "micro_batch_rows": 3, "nproc": nproc}}
-    config = validate(data, plugin_manager(installed=False))
-    path = tmp_path / f"config{nproc}-{optimizer['use']}.json"
-    path.write_text(json.dumps(config.to_dict()))
+    path = trainer_config(tmp_path, out, nproc, steps, optimizer)
     torchrun_trainer(path, nproc)
     weights = load_file(str(out / "broadcasts" / f"step_{steps}" / "model.safetensors"))
     metrics = json.loads((out / "trainer" / f"step_{steps}.json").read_text())
@@ -57,7 +64,7 @@ def test_two_sharded_ranks_match_one_process(tmp_path):
     assert metrics_one["loss"] == pytest.approx(metrics_two["loss"], abs=1e-5)
     assert metrics_one["train/loss_tokens"] == metrics_two["train/loss_tokens"]
     assert {p.name for p in (out / "checkpoints" / "step_2").iterdir()} == {
-        "model.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"}
+        "model.pt", "trainer.pt", "optimizer-rank0.pt", "optimizer-rank1.pt"}
 
 
 def test_muon_on_two_sharded_ranks_matches_one_process(tmp_path):

@@ -229,17 +229,16 @@ class BroadcastSync:
         return problems
 
     def location(self, root: Path, version: int) -> Path | None:
-        """Version 0 is a directory; later versions reach the servers by broadcast (no path)."""
-        return self._disk.location(root, version) if version == 0 else None
+        """The first version of a trainer (0, or the step it resumed from) is a directory the servers start from;
+        later versions reach the servers by broadcast (no path)."""
+        return self._disk.location(root, version) if self._disk.is_ready(root, version) else None
 
     @staticmethod
     def _marker(root: Path, version: int) -> Path:
         return root / f"step_{version}.sent"
 
     def is_ready(self, root: Path, version: int) -> bool:
-        if version == 0:
-            return self._disk.is_ready(root, 0)
-        return self._marker(root, version).exists()
+        return self._disk.is_ready(root, version) or self._marker(root, version).exists()
 
     def receiver(self, root: Path) -> dict:
         """What each server needs to join the group (its rank is its index + 1)."""
@@ -252,7 +251,7 @@ class BroadcastSync:
 
     def publish(self, root: Path, weights) -> None:
         """Every trainer rank calls it: all ranks gather layer by layer, rank 0 broadcasts."""
-        if weights.version == 0:
+        if weights.initial:
             self._disk.publish(root, weights)
             return
         tensors = weights.hf_tensors()

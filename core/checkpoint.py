@@ -1,0 +1,195 @@
+"""Checkpoints of a run and ``--resume``.
+
+``<output_dir>/checkpoints/step_N/`` holds everything needed to continue after step N:
+
+- ``model.pt``: the full (unsharded) model state, written by trainer rank 0;
+- ``optimizer-rank{r}.pt``: each trainer rank's optimizer state (FSDP2 shards kept as local tensors);
+- ``trainer.pt``: the step, the learning-rate schedule's state, the trainer's torch RNG and world size;
+- ``orchestrator.json``: what the orchestrator had done when it cut batch N (:class:`OrchestratorState`):
+  the step, the rollout ledger and the position in the prompt stream.
+
+The trainer writes it into ``.step_N.tmp/`` and renames it into place, so a
+``step_N`` directory is complete by construction; a crash mid-write leaves only
+a temporary directory, removed at the next start. Only after the rename are
+checkpoints beyond the newest ``keep`` deleted, so the last complete one
+survives any failure while writing the next (a full disk included).
+
+Resume: the trainer loads step N and publishes its weights as version N (the
+servers start from them), trains N+1 onwards; the orchestrator continues from
+its state at N: prompts it had drawn but not trained by then are drawn again,
+first and in stream order, then the stream goes on where it was. Batches,
+weight versions and metric rows of steps after N (trained before the crash but
+not checkpointed) are deleted: no step is trained twice in the model's history
+or skipped, and metrics.jsonl has one row per step.
+"""
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from i3core.errors import I3Error
+
+PREFIX = "step_"
+MODEL = "model.pt"
+TRAINER = "trainer.pt"
+ORCHESTRATOR = "orchestrator.json"
+_STEP_NAME = re.compile(r"^\.?step_(\d+)(?:\b|_|\.)")
+
+
+def optimizer_file(rank: int) -> str:
+    return f"optimizer-rank{rank}.pt"
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a complete checkpoint under ``root`` (``checkpoints/``), oldest first."""
+    steps = []
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit() and _is_complete(path):
+                steps.append(int(path.name[len(PREFIX):]))
+    return sorted(steps)
+
+
+def _is_complete(path: Path) -> bool:
+    """What the trainer writes (``orchestrator.json`` is absent when the trainer ran without an orchestrator)."""
+    return all((path / name).is_file() for name in (MODEL, TRAINER, optimizer_file(0)))
+
+
+def latest(root: Path) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    steps = complete_steps(root)
+    return steps[-1] if steps else None
+
+
+def resume_step(out: Path) -> int:
+    """The step ``--resume`` continues from: the newest complete checkpoint of the run in ``out``."""
+    step = latest(out / "checkpoints")
+    if step is None:
+        raise I3Error(f"nothing to resume: no complete checkpoint under {out / 'checkpoints'} "
+                      "(run without --resume to start; set trainer.checkpoint_every to write them)")
+    return step
+
+
+def refuse_fresh_start_over(out: Path) -> None:
+    """A run without ``--resume`` must not append to, or overwrite, an earlier run's steps in ``out``."""
+    metrics = out / "metrics.jsonl"
+    steps = complete_steps(out / "checkpoints")
+    if steps or (metrics.exists() and metrics.stat().st_size):
+        held = f"checkpoint step_{steps[-1]}" if steps else "metrics.jsonl"
+        raise I3Error(f"{out} holds an earlier run ({held}): continue it with --resume, or set another "
+                      "run.output_dir (or delete that directory)")
+
+
+def clear_staging(root: Path) -> None:
+    """Remove checkpoints a crash left half-written (``.step_N.tmp``)."""
+    if root.is_dir():
+        for path in root.glob(f".{PREFIX}*.tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete complete checkpoints beyond the newest ``keep``."""
+    for step in complete_steps(root)[:-keep]:
+        shutil.rmtree(checkpoint_dir(root, step), ignore_errors=True)
+
+
+def drop_after(directory: Path, step: int) -> None:
+    """Delete every ``step_M`` / ``.step_M...`` entry of ``directory`` with M > ``step`` (files or directories)."""
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        match = _STEP_NAME.match(path.name)
+        if match and int(match.group(1)) > step:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of ``path`` (metrics.jsonl) up to ``step``; later ones are trained again after a resume."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            row_step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a line cut short by the crash
+        if isinstance(row_step, int) and row_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# -- optimizer state -----------------------------------------------------------------------------------
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every FSDP2 (DTensor) state tensor replaced by this rank's shard."""
+    state = optimizer.state_dict()
+    for values in state["state"].values():
+        for key, value in values.items():
+            to_local = getattr(value, "to_local", None)
+            if callable(to_local):
+                values[key] = to_local().clone()
+    return state
+
+
+def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Inverse of :func:`local_optimizer_state` on the same sharding: shards become DTensors again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, values in state["state"].items():
+        param = params[int(index)]
+        if not hasattr(param, "device_mesh"):
+            continue
+        from torch.distributed.tensor import DTensor
+
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and value.dim():
+                values[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                                 run_check=False, shape=param.shape, stride=param.stride())
+    optimizer.load_state_dict(state)
+
+
+# -- the orchestrator's part -------------------------------------------------------------------------------
+
+
+@dataclass
+class OrchestratorState:
+    """What the orchestrator had done when it cut the batch of ``step``.
+
+    ``next_position`` is the number of prompts drawn from the stream; ``redraw``
+    the positions among them not yet accounted for (open or finished groups not
+    in a batch): a resumed run draws those again first. The ledger's counters
+    exclude the rollouts of those groups, which start again.
+    """
+
+    step: int
+    next_position: int
+    redraw: list[int]
+    ledger: dict = field(default_factory=dict)
+    batch_positions: list[int] = field(default_factory=list)
+    """Stream positions of the prompts in this step's batch."""
+
+    def save(self, path: Path) -> None:
+        from i3core.files import atomic_write_bytes
+
+        atomic_write_bytes(path, json.dumps(asdict(self)).encode())
+
+    @classmethod
+    def load(cls, path: Path) -> "OrchestratorState":
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise I3Error(f"cannot read the orchestrator state {path}: {exc}") from None

@@ -1,0 +1,266 @@
+"""Checkpoints and ``--resume``: the trainer killed with SIGKILL mid-run continues bit for bit, the files that make
+a checkpoint, and the orchestrator's prompt stream after a resume."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from i3core import checkpoint
+from i3core.checkpoint import OrchestratorState
+
+from .conftest import trainer_command, torchrun_trainer
+from .test_end_to_end import assert_ledger, read_metrics, start_run, wait_for_step
+from .test_trainer_distributed import make_batches, trainer_config
+
+STEPS = 6
+SCHEDULE = {"lr_warmup_steps": 2, "lr_decay": "cosine", "checkpoint_every": 3, "keep_checkpoints": 1}
+
+
+def losses(out):
+    return [json.loads((out / "trainer" / f"step_{s}.json").read_text())["loss"] for s in range(1, STEPS + 1)]
+
+
+def weights(out):
+    return load_file(str(out / "broadcasts" / f"step_{STEPS}" / "model.safetensors"))
+
+
+def kill_after_step(cmd, out, step, timeout=300):
+    """Start the trainer, SIGKILL its whole process group (torchrun and every rank) once ``step`` is trained."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (out / "trainer" / f"step_{step}.json").exists():
+            assert proc.poll() is None, f"the trainer exited with {proc.returncode} before step {step}"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,optimizer", [(1, {"use": "adamw", "lr": 1e-2}),
+                                             (2, {"use": "muon", "lr": 1e-2, "ns_dtype": "float32"})])
+def test_a_trainer_killed_mid_run_resumes_bit_for_bit(tmp_path, nproc, optimizer):
+    """Steps 1-4 trained, the checkpoint of step 3 kept, then SIGKILL (torchrun and its ranks) in step 5: the
+    resumed trainer trains 4, 5 and 6 again from step 3 and ends exactly where an uninterrupted one does (model,
+    optimizer and learning-rate schedule restored; FSDP2 shards on two ranks)."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    for out in (whole, broken):
+        make_batches(out, STEPS)
+    torchrun_trainer(trainer_config(tmp_path, whole, nproc, STEPS, optimizer, **SCHEDULE), nproc)
+    config = trainer_config(tmp_path, broken, nproc, STEPS, optimizer, **SCHEDULE)
+    kill_after_step(trainer_command(config, nproc), broken, 4)
+    assert checkpoint.complete_steps(broken / "checkpoints") == [3]
+    (broken / "trainer" / f"step_{STEPS}.json").unlink(missing_ok=True)
+    torchrun_trainer(config, nproc, "--resume")
+    assert losses(broken) == losses(whole)
+    expected, got = weights(whole), weights(broken)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    lrs = [json.loads((broken / "trainer" / f"step_{s}.json").read_text())["lr"] for s in range(1, STEPS + 1)]
+    assert lrs[0] == pytest.approx(5e-3) and lrs[1] == pytest.approx(1e-2) and lrs[-1] < lrs[2]  # warm-up, cosine
+    # the last checkpoint is the end of the run; keep_checkpoints = 1 deleted step 3's
+    assert checkpoint.complete_steps(broken / "checkpoints") == [STEPS]
+    assert not list((broken / "checkpoints").glob(".*"))
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_world_size_and_a_missing_step(tmp_path):
+    out = tmp_path / "run"
+    make_batches(out, 2)
+    optimizer = {"use": "adamw", "lr": 1e-2}
+    torchrun_trainer(trainer_config(tmp_path, out, 1, 2, optimizer, checkpoint_every=1), 1)
+    wider = trainer_config(tmp_path, out, 2, 3, optimizer)
+    result = subprocess.run(trainer_command(wider, 2, "--resume"), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "checkpoint step_2 was written by 1 trainer processes; resume it with trainer.nproc = 1" in result.stderr
+    missing = subprocess.run(trainer_command(wider, 1, "--resume", "7"), capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0
+    assert f"error: no complete checkpoint step_7 under {out / 'checkpoints'}" in missing.stderr
+
+
+def test_latest_skips_half_written_checkpoints_and_prune_keeps_the_newest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        directory = checkpoint.checkpoint_dir(root, step)
+        directory.mkdir(parents=True)
+        for name in (checkpoint.MODEL, checkpoint.TRAINER, checkpoint.ORCHESTRATOR, checkpoint.optimizer_file(0)):
+            (directory / name).write_bytes(b"x")
+    (root / "step_6" / checkpoint.TRAINER).unlink()  # incomplete: not a candidate
+    (root / ".step_8.tmp").mkdir()  # a crash while writing step 8
+    assert checkpoint.latest(root) == 4
+    checkpoint.clear_staging(root)
+    assert not (root / ".step_8.tmp").exists()
+    checkpoint.prune(root, keep=1)
+    assert checkpoint.complete_steps(root) == [4] and (root / "step_6").exists()
+
+
+def test_drop_after_and_truncate_metrics_undo_steps_after_the_checkpoint(tmp_path):
+    for name in ("step_3", "step_4", ".step_5.tmp", "step_10.sent", "step_2.pt", "STABLE"):
+        (tmp_path / name).write_text("")
+    checkpoint.drop_after(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["STABLE", "step_2.pt", "step_3"]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    checkpoint.truncate_metrics(metrics, 3)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_orchestrator_state_round_trips_and_a_broken_one_is_one_line(tmp_path):
+    state = OrchestratorState(step=4, next_position=40, redraw=[33, 37], ledger={"started": 256},
+                              batch_positions=[1, 2])
+    state.save(tmp_path / "s.json")
+    assert OrchestratorState.load(tmp_path / "s.json") == state
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(checkpoint.I3Error, match="cannot read the orchestrator state"):
+        OrchestratorState.load(tmp_path / "bad.json")
+
+
+def trainer_worker_pids(out):
+    """The trainer's rank processes (torchrun's children), not torchrun itself."""
+    import psutil
+
+    ranks = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "i3core.trainer" in cmdline and str(out / "config.resolved.json") in cmdline \
+                and "torch.distributed.run" not in cmdline:
+            ranks.append(proc.pid)
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_run_whose_trainer_is_killed_resumes_from_its_last_checkpoint(tmp_path):
+    """`i3core run`, SIGKILL of the trainer's rank mid-step, then `i3core run --resume`: one metrics row per step,
+    the ledger adds up on every row, no prompt trained twice, the servers start from the checkpoint's weights."""
+    out = tmp_path / "run"
+    sets = ["run.max_steps=8", "sft.steps=5", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2"]
+    proc = start_run(out, *sets)
+    try:
+        wait_for_step(proc, out, 5, timeout=400)
+        (rank,) = trainer_worker_pids(out)
+        os.kill(rank, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1
+    assert "error: the trainer exited" in stderr and "Traceback" not in stderr, stderr[-2000:]
+    resumed_from = checkpoint.latest(out / "checkpoints")
+    assert resumed_from >= 4 and resumed_from % 2 == 0
+    before = read_metrics(out)
+    assert len(before) >= resumed_from
+
+    resume = start_run(out, *sets, resume=True)
+    _, stderr = resume.communicate(timeout=600)
+    assert resume.returncode == 0, stderr[-2000:]
+    assert "Traceback" not in stderr and f"resumed_from_step={resumed_from}" in stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[:resumed_from] == before[:resumed_from]  # the rows up to the checkpoint are kept as they were
+    assert_ledger(rows)
+    first = rows[resumed_from]
+    assert first["rollouts/trained"] >= (resumed_from + 1) * 64  # the ledger counts on from the checkpoint
+    # the servers started from the checkpoint's weights: what they sampled at that version, the trainer agrees with
+    if first["mismatch/same_version_tokens"]:
+        assert first["mismatch/same_version_abs_diff"] < 1e-4
+    # no prompt is trained twice: every stream position is in at most one step's batch, before or after the resume
+    states = [OrchestratorState.load(out / "orchestrator" / f"step_{s}.json") for s in range(1, 9)]
+    positions = [p for state in states for p in state.batch_positions]
+    assert len(positions) == len(set(positions)) == 8 * 8
+    saved = OrchestratorState.load(out / "checkpoints" / f"step_{resumed_from}" / checkpoint.ORCHESTRATOR)
+    for state in states[resumed_from:]:  # after the resume: prompts redrawn, then the stream where it was
+        assert all(p in saved.redraw or p >= saved.next_position for p in state.batch_positions)
+    assert checkpoint.complete_steps(out / "checkpoints") == [6, 8]
+
+
+@pytest.mark.slow
+def test_resume_without_a_checkpoint_and_a_fresh_run_over_an_old_one_are_one_line_each(tmp_path):
+    out = tmp_path / "run"
+    nothing = start_run(out, "run.max_steps=2", resume=True)
+    _, stderr = nothing.communicate(timeout=120)
+    assert nothing.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (f"error: nothing to resume: no complete checkpoint under "
+                                              f"{out / 'checkpoints'} (run without --resume to start; set "
+                                              "trainer.checkpoint_every to write them)")
+    first = start_run(out, "run.max_steps=2", "sft.steps=2")
+    _, stderr = first.communicate(timeout=400)
+    assert first.returncode == 0, stderr[-2000:]
+    again = start_run(out, "run.max_steps=2", "sft.steps=2")
+    _, stderr = again.communicate(timeout=120)
+    assert again.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (f"error: {out} holds an earlier run (checkpoint step_2): continue it "
+                                              "with --resume, or set another run.output_dir (or delete that directory)")
+    done = start_run(out, "run.max_steps=2", "sft.steps=2", resume=True)
+    _, stderr = done.communicate(timeout=120)
+    assert done.returncode == 1 and "is already at run.max_steps = 2" in stderr.strip().splitlines()[-1]
+    changed = start_run(out, "run.max_steps=4", "trainer.seq_len=128", resume=True)
+    _, stderr = changed.communicate(timeout=120)
+    assert changed.returncode == 1
+    assert stderr.strip().splitlines()[-1] == "error: --resume needs the [trainer] the run was started with; " \
+                                              "changed: trainer.seq_len"
+
+
+def fill(directory):
+    """Write zeros into ``directory`` until its filesystem is full; the filler file."""
+    filler = directory / "filler"
+    with open(filler, "wb") as file:
+        chunk = bytes(1 << 20)
+        try:
+            while True:
+                file.write(chunk)
+                file.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs as the run's output directory (root)")
+def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint_resumes(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(out)], check=True)
+    try:
+        sets = ["run.max_steps=14", "sft.steps=5", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
+        proc = start_run(out, *sets)
+        try:
+            wait_for_step(proc, out, 3, timeout=400)
+            filler = fill(out)
+            _, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 1
+        last = checkpoint.latest(out / "checkpoints")
+        assert last is not None and last >= 2
+        line = stderr.strip().splitlines()[-1]
+        assert line.startswith("error: ") and f"the last complete checkpoint is step_{last}" in line, stderr[-3000:]
+        assert "is full" in line or "No space left on device" in line, line
+        assert "Traceback" not in stderr
+        assert_ledger(read_metrics(out))
+        # the last checkpoint is whole: every file loads, nothing half-written is left beside it
+        directory = checkpoint.checkpoint_dir(out / "checkpoints", last)
+        for name in (checkpoint.MODEL, checkpoint.TRAINER, checkpoint.optimizer_file(0)):
+            torch.load(directory / name, weights_only=False)
+        OrchestratorState.load(directory / checkpoint.ORCHESTRATOR)
+        assert not list((out / "checkpoints").glob(".*"))
+
+        filler.unlink()  # space again: the run continues from that checkpoint to its end
+        resume = start_run(out, *sets, resume=True)
+        _, stderr = resume.communicate(timeout=600)
+        assert resume.returncode == 0, stderr[-2000:]
+        rows = read_metrics(out)
+        assert [r["step"] for r in rows] == list(range(1, 15))
+        assert_ledger(rows)
+    finally:
+        subprocess.run(["umount", "-l", str(out)], check=False)
