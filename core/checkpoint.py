@@ -136,28 +136,34 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with every FSDP2 (DTensor) state tensor replaced by this rank's shard."""
+    """``optimizer.state_dict()`` with every FSDP2 (DTensor) state tensor replaced by this rank's shard, and
+    which entries those were (``dtensors``: parameter index -> keys). The optimizer's own state is left as is."""
     state = optimizer.state_dict()
-    for values in state["state"].values():
+    packed, dtensors = {}, {}
+    for index, values in state["state"].items():
+        values = dict(values)  # state_dict() shares the live per-parameter dicts: never edit them
         for key, value in values.items():
             to_local = getattr(value, "to_local", None)
             if callable(to_local):
                 values[key] = to_local().clone()
-    return state
+                dtensors.setdefault(index, []).append(key)
+        packed[index] = values
+    return {**state, "state": packed, "dtensors": dtensors}
 
 
 def load_local_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Inverse of :func:`local_optimizer_state` on the same sharding: shards become DTensors again."""
+    """Inverse of :func:`local_optimizer_state` on the same sharding: the entries that were DTensors become
+    DTensors again, laid out as their parameter; the others (an optimizer's own local state) stay plain."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, values in state["state"].items():
-        param = params[int(index)]
-        if not hasattr(param, "device_mesh"):
-            continue
+    state = dict(state)
+    dtensors = state.pop("dtensors", {})
+    if dtensors:
         from torch.distributed.tensor import DTensor
 
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and value.dim():
-                values[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+        for index, keys in dtensors.items():
+            param, values = params[int(index)], state["state"][index]
+            for key in keys:
+                values[key] = DTensor.from_local(values[key].to(param.device), param.device_mesh, param.placements,
                                                  run_check=False, shape=param.shape, stride=param.stride())
     optimizer.load_state_dict(state)
 

@@ -66,7 +66,7 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_resume(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest "
-                        "complete checkpoint (every role of the run takes it)")
+                        "complete checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = commands.add_parser("trainer", help="the trainer role alone (run it under torchrun)",
                                   description="Run only the trainer; `i3core run` starts it for you.")
     _add_config_args(trainer)
-    _add_resume(trainer)
     trainer.set_defaults(func=cmd_trainer)
 
     agent = commands.add_parser("sandbox-agent", help="serve one sandbox's HTTP API (the Kubernetes sidecar)",
@@ -145,7 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
     inference.add_argument("--index", type=int, default=0, help="this server's index among the run's servers")
     inference.add_argument("--port", type=int, default=8000, help="port to listen on")
     inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
-    _add_resume(inference)
     inference.set_defaults(func=cmd_inference)
 
     orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
@@ -154,7 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(orchestrator)
     orchestrator.add_argument("--servers", nargs="+", required=True, metavar="URL",
                               help="base URLs of the inference servers (http://host:port)")
-    _add_resume(orchestrator)
     orchestrator.set_defaults(func=cmd_orchestrator)
 
     launch = commands.add_parser("launch", help="render Slurm or Kubernetes launch files for the three roles",
@@ -226,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core import trainer
 
-    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides), *(["--resume"] if args.resume else [])])
+    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
 
 
 def cmd_sandbox_agent(args: argparse.Namespace) -> int:
@@ -247,7 +244,7 @@ def cmd_inference(args: argparse.Namespace) -> int:
     from i3core import roles
 
     config, _ = _role_config(args)
-    return roles.serve(config, args.index, args.port, args.host, resume=args.resume)
+    return roles.serve(config, args.index, args.port, args.host)
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
@@ -255,7 +252,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
     config, plugins = _role_config(args)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
-    return roles.orchestrate(config, plugins, args.servers, resume=args.resume)
+    return roles.orchestrate(config, plugins, args.servers)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

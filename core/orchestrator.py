@@ -179,6 +179,8 @@ class Orchestrator:
         self._open: set[OpenGroup] = set()
         self._scoring: dict[asyncio.Task, OpenGroup] = {}
         self._ready: list[Group] = []
+        self._to_redraw: set[int] = set() if self.resume is None else set(self.resume.redraw)
+        """Positions a resumed run has still to draw again (saved again if it is checkpointed before)."""
         self._next_position = 0 if self.resume is None else self.resume.next_position
         """Prompts drawn from the stream so far (the position of the next new one)."""
         self._positions: dict[int, int] = {}
@@ -375,9 +377,10 @@ class Orchestrator:
         if self.resume is None:
             yield from positions
             return
-        redraw, next_position = set(self.resume.redraw), self.resume.next_position
+        next_position = self.resume.next_position
         for position, example in positions:
-            if position >= next_position or position in redraw:
+            if position >= next_position or position in self._to_redraw:
+                self._to_redraw.discard(position)
                 yield position, example
 
     def _examples_in_order(self):
@@ -423,7 +426,7 @@ class Orchestrator:
     def _state(self, step: int, batch_positions: list[int]) -> OrchestratorState:
         """What a run resumed from the checkpoint of ``step`` continues with: groups not in a batch yet are
         drawn again, so their rollouts leave the ledger (``started`` counts only accounted ones)."""
-        redraw = sorted([g.position for g in self._open] + list(self._positions.values()))
+        redraw = sorted([g.position for g in self._open] + list(self._positions.values()) + list(self._to_redraw))
         accounted = self.ledger.started - self._in_flight()
         ledger = {**asdict(self.ledger), "started": accounted, "masked_reasons": dict(self.ledger.masked_reasons)}
         return OrchestratorState(step=step, next_position=self._next_position, redraw=redraw, ledger=ledger,

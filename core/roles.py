@@ -14,9 +14,6 @@ meet in the run's ``output_dir`` on a filesystem every node mounts:
   the servers it is given (``--servers URL ...``), writes the batches and the
   metrics, and tells the servers to load each new version by its path.
 
-With ``--resume`` every role starts from the run's newest checkpoint N instead: the trainer publishes
-version N, the servers wait for it, the orchestrator continues from the state saved with it.
-
 Only the ``filesystem`` weight sync works across machines this way (the
 ``broadcast`` group is hosted by ``i3core run``). The orchestrator role keeps
 the ``[sandbox]`` pool like ``i3core run`` does. The orchestrator cannot see the trainer process:
@@ -30,7 +27,6 @@ import time
 
 import structlog
 
-from i3core import checkpoint
 from i3core.config import RunConfig
 from i3core.errors import I3Error
 from i3core.manager import Plugins
@@ -51,18 +47,16 @@ def _filesystem_sync(config: RunConfig):
     return sync
 
 
-def wait_for_version(sync, paths: RunPaths, version: int = 0, timeout_s: float = VERSION_0_TIMEOUT_S) -> None:
-    """Wait for the trainer's first version: 0, or the step of the checkpoint it resumes from."""
+def wait_for_version_0(sync, paths: RunPaths, timeout_s: float = VERSION_0_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
-    while not sync.is_ready(paths.broadcasts, version):
+    while not sync.is_ready(paths.broadcasts, 0):
         if time.monotonic() > deadline:
             raise I3Error(f"the trainer published no weights under {paths.broadcasts} in {timeout_s:.0f}s")
         time.sleep(POLL_S)
 
 
-def serve(config: RunConfig, index: int, port: int, host: str | None, resume: bool = False) -> int:
-    """Become inference server ``index`` on ``host:port`` once the trainer's first version exists (replaces this
-    process): version 0, or with ``resume`` the step of the run's newest checkpoint."""
+def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
+    """Become inference server ``index`` on ``host:port`` once version 0 exists (replaces this process)."""
     spec = config.get("inference")
     if spec is None:
         raise I3Error("the inference role needs an [inference] section")
@@ -73,31 +67,26 @@ def serve(config: RunConfig, index: int, port: int, host: str | None, resume: bo
         raise I3Error(f"inference {spec.name!r} does not start server processes; it has no inference role")
     sync = _filesystem_sync(config)
     paths = RunPaths(config.run.out)
-    version = checkpoint.resume_step(config.run.out) if resume else 0
-    log.info("waiting for the first version", version=version, broadcasts=str(paths.broadcasts))
-    wait_for_version(sync, paths, version)
+    log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
+    wait_for_version_0(sync, paths)
     probe = getattr(source, "check", None)  # vllm: the interpreter imports vllm and i3core
     if callable(probe):
         probe()
-    cmd = source.command(index, port, sync.location(paths.broadcasts, version), version, None)
-    env = source.environment(index, version, None) or dict(os.environ)
+    cmd = source.command(index, port, sync.location(paths.broadcasts, 0), 0, None)
+    env = source.environment(index, 0, None) or dict(os.environ)
     log.info("starting inference server", index=index, command=" ".join(cmd))
     os.execvpe(cmd[0], cmd, env)
 
 
-def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bool = False) -> int:
-    """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop.
-    With ``resume``, from the orchestrator state saved in the run's newest checkpoint."""
+def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
+    """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop."""
     from i3core.orchestrator import ClientSlot, Orchestrator
-    from i3core.run import _plot, build, prepare_resume, stop_token_ids
+    from i3core.run import _plot, build, stop_token_ids
 
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
         raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
     _filesystem_sync(config)
-    start = prepare_resume(config) if resume else None
-    if start is None:
-        checkpoint.refuse_fresh_start_over(config.run.out)
     run = build(config, plugins)
     paths = RunPaths(run.output_dir)
     paths.make()
@@ -105,15 +94,14 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bo
     try:
         plugins.hook.i3_on_run_start(config=config, output_dir=run.output_dir)
         sync, source = run.components["weight_sync"], run.components["inference"]
-        version = 0 if start is None else start.step
-        log.info("waiting for the first version", version=version, broadcasts=str(paths.broadcasts))
-        wait_for_version(sync, paths, version)
+        log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
+        wait_for_version_0(sync, paths)
         model, env = run.components["model"], run.components["env"]
         tokenizer = model.tokenizer()
         stop_ids = stop_token_ids(model, env)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
-                                    sandbox_backend=run.components.get("sandbox"), resume=start)
+                                    sandbox_backend=run.components.get("sandbox"))
 
         async def drive():
             try:

@@ -149,22 +149,19 @@ def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
         log.info("run ended", status=status, output_dir=str(run.output_dir))
 
 
+RESUME_FIXED = ("model", "trainer", "optimizer", "loss", "env", "scheduler", "weight_sync")
+"""Sections a resumed run must keep as the run started with them (their state or the data order depend on them)."""
+RESUME_FREE = {"trainer": {"checkpoint_every", "keep_checkpoints", "threads"}}
+"""Keys of those sections that may change on resume."""
+
+
 def prepare_resume(config: RunConfig) -> OrchestratorState:
     """Find the checkpoint to continue from and undo what the run did after it (batches, weight versions, metric
     rows of later steps), before anything opens the run's files; the orchestrator's state saved with it."""
     out = config.run.out
     step = checkpoint.resume_step(out)
     directory = checkpoint.checkpoint_dir(out / "checkpoints", step)
-    saved = out / "config.resolved.json"
-    if saved.exists():
-        before = json.loads(saved.read_text())
-        for section in ("model", "trainer"):
-            old, new = before.get(section, {}), config.to_dict().get(section, {})
-            changed = sorted(k for k in {*old, *new} - {"checkpoint_every", "keep_checkpoints", "threads"}
-                             if old.get(k) != new.get(k))
-            if changed:
-                raise I3Error(f"--resume needs the [{section}] the run was started with; changed: "
-                              + ", ".join(f"{section}.{k}" for k in changed))
+    _check_resumable(config, out / "config.resolved.json")
     if step >= config.run.max_steps:
         raise I3Error(f"checkpoint step_{step} is already at run.max_steps = {config.run.max_steps}: nothing to "
                       "resume (raise run.max_steps to train on)")
@@ -173,10 +170,31 @@ def prepare_resume(config: RunConfig) -> OrchestratorState:
                       "it cannot resume a run")
     state = checkpoint.OrchestratorState.load(directory / checkpoint.ORCHESTRATOR)
     paths = RunPaths(out)
-    for directory in (paths.broadcasts, paths.orchestrator, paths.trainer, paths.batches):
+    for directory in (paths.orchestrator, paths.trainer, paths.batches):
         checkpoint.drop_after(directory, step)
+    # Version N too: the resumed trainer publishes it again, and nothing may load the old copy meanwhile.
+    checkpoint.drop_after(paths.broadcasts, step - 1)
     checkpoint.truncate_metrics(out / "metrics.jsonl", step)
     return state
+
+
+def _check_resumable(config: RunConfig, saved: Path) -> None:
+    """The sections of :data:`RESUME_FIXED` and ``run.seed`` as the run started; ``run.max_steps`` only with a
+    constant learning rate after warm-up (a decay's horizon is ``max_steps``)."""
+    if not saved.exists():
+        return
+    before, now = json.loads(saved.read_text()), config.to_dict()
+    changed = [f"run.{k}" for k in ("seed",) if before.get("run", {}).get(k) != now.get("run", {}).get(k)]
+    for section in RESUME_FIXED:
+        old, new = before.get(section) or {}, now.get(section) or {}
+        free = RESUME_FREE.get(section, set())
+        changed += [f"{section}.{k}" for k in sorted({*old, *new} - free) if old.get(k) != new.get(k)]
+    if changed:
+        raise I3Error("--resume continues the run as it was started; changed: " + ", ".join(changed))
+    decay = now.get("trainer", {}).get("lr_decay", "constant")
+    if decay != "constant" and before.get("run", {}).get("max_steps") != config.run.max_steps:
+        raise I3Error(f"run.max_steps cannot change on resume with trainer.lr_decay = {decay!r} (the decay ends at "
+                      "max_steps); keep it, or start a new run")
 
 
 def train(run: Run, start: OrchestratorState | None = None) -> None:

@@ -351,7 +351,7 @@ class Trainer:
         optimizer.step()
         if self.world > 1:  # sums over ranks; the loss plugin's own metrics stay rank 0's
             sums = torch.tensor([loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens],
-                                dtype=torch.float64)
+                                dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
             dist.all_reduce(sums)
             loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens = sums.tolist()
         metrics = {k: v / max(n_tokens, 1) for k, v in metrics.items()}
@@ -414,7 +414,7 @@ class Trainer:
         """Whether every rank is ``ok`` (a collective when sharded, so also a barrier)."""
         if self.world == 1:
             return ok
-        flag = torch.tensor([1 if ok else 0])
+        flag = torch.tensor([1 if ok else 0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 

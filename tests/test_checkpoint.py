@@ -45,7 +45,7 @@ def kill_after_step(cmd, out, step, timeout=300):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,optimizer", [(1, {"use": "adamw", "lr": 1e-2}),
+@pytest.mark.parametrize("nproc,optimizer", [(1, {"use": "adamw", "lr": 1e-2}), (2, {"use": "adamw", "lr": 1e-2}),
                                              (2, {"use": "muon", "lr": 1e-2, "ns_dtype": "float32"})])
 def test_a_trainer_killed_mid_run_resumes_bit_for_bit(tmp_path, nproc, optimizer):
     """Steps 1-4 trained, the checkpoint of step 3 kept, then SIGKILL (torchrun and its ranks) in step 5: the
@@ -158,6 +158,7 @@ def test_a_run_whose_trainer_is_killed_resumes_from_its_last_checkpoint(tmp_path
     assert resumed_from >= 4 and resumed_from % 2 == 0
     before = read_metrics(out)
     assert len(before) >= resumed_from
+    saved = OrchestratorState.load(out / "checkpoints" / f"step_{resumed_from}" / checkpoint.ORCHESTRATOR)
 
     resume = start_run(out, *sets, resume=True)
     _, stderr = resume.communicate(timeout=600)
@@ -176,7 +177,6 @@ def test_a_run_whose_trainer_is_killed_resumes_from_its_last_checkpoint(tmp_path
     states = [OrchestratorState.load(out / "orchestrator" / f"step_{s}.json") for s in range(1, 9)]
     positions = [p for state in states for p in state.batch_positions]
     assert len(positions) == len(set(positions)) == 8 * 8
-    saved = OrchestratorState.load(out / "checkpoints" / f"step_{resumed_from}" / checkpoint.ORCHESTRATOR)
     for state in states[resumed_from:]:  # after the resume: prompts redrawn, then the stream where it was
         assert all(p in saved.redraw or p >= saved.next_position for p in state.batch_positions)
     assert checkpoint.complete_steps(out / "checkpoints") == [6, 8]
@@ -205,7 +205,7 @@ def test_resume_without_a_checkpoint_and_a_fresh_run_over_an_old_one_are_one_lin
     changed = start_run(out, "run.max_steps=4", "trainer.seq_len=128", resume=True)
     _, stderr = changed.communicate(timeout=120)
     assert changed.returncode == 1
-    assert stderr.strip().splitlines()[-1] == "error: --resume needs the [trainer] the run was started with; " \
+    assert stderr.strip().splitlines()[-1] == "error: --resume continues the run as it was started; " \
                                               "changed: trainer.seq_len"
 
 
@@ -264,3 +264,25 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint_resumes
         assert_ledger(rows)
     finally:
         subprocess.run(["umount", "-l", str(out)], check=False)
+
+
+def test_a_resumed_stream_draws_the_untrained_prompts_again_first_and_keeps_the_ones_not_yet_drawn(tmp_path):
+    from i3core.config import validate
+    from i3core.orchestrator import Orchestrator
+    from i3core.testing import make_component, plugin_manager
+
+    plugins = plugin_manager(installed=False)
+    config = validate({"run": {"output_dir": str(tmp_path), "max_steps": 9}}, plugins)
+    env = make_component("env", "reverse-text", num_examples=50)
+    scheduler = make_component("scheduler", "async", group_size=2, batch_size=4)
+    fresh = Orchestrator(config, plugins, env, scheduler, None, [], [])
+    order = [next(fresh._examples) for _ in range(12)]
+    assert [p for p, _ in order] == list(range(12))
+    state = OrchestratorState(step=4, next_position=8, redraw=[3, 5, 6], ledger={"started": 8, "trained": 8})
+    resumed = Orchestrator(config, plugins, env, scheduler, None, [], [], resume=state)
+    assert (resumed.step, resumed.served_version, resumed.ledger.trained) == (5, 4, 8)
+    first = next(resumed._examples)
+    assert first == order[3]  # the same prompt at the same position: the data order is the stream's
+    # resumed again before 5 and 6 were drawn: they are still owed
+    assert resumed._state(5, []).redraw == [5, 6]
+    assert [p for p, _ in (next(resumed._examples) for _ in range(4))] == [5, 6, 8, 9]

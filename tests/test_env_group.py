@@ -176,7 +176,7 @@ def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(
         rollouts = [await env.rollout(ScriptedClient(tok, [reply]), example) for reply in ("1\n", "22\n")]
         if failing:
             env.members["arithmetic"].score_group = broken_scoring
-        group = OpenGroup(example, slot=None, outstanding=0, rollouts=rollouts)
+        group = OpenGroup(example, slot=None, outstanding=0, position=0, rollouts=rollouts)
         orchestrator._open.add(group)
         orchestrator._score_group(group)
         assert orchestrator._in_flight() == 2  # scoring: still in flight

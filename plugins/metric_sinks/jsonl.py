@@ -2,8 +2,9 @@
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import IO
+from typing import BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,7 +19,7 @@ class JsonlSink:
 
     def __init__(self, config: Config):
         self.config = config
-        self._file: IO[str] | None = None
+        self._file: BinaryIO | None = None
 
     @property
     def path(self) -> Path | None:
@@ -26,14 +27,23 @@ class JsonlSink:
 
     def open(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(output_dir / self.config.filename, "a", encoding="utf-8")
+        self._file = open(output_dir / self.config.filename, "ab", buffering=0)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one row whole or not at all: a write that fails (a full disk) is cut back off the file, so every
+        line stays one complete JSON object."""
         if self._file is None:
             raise RuntimeError("JsonlSink.write before open")
         row = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row, sort_keys=False) + "\n")
-        self._file.flush()
+        line = (json.dumps(row, sort_keys=False) + "\n").encode()
+        end = os.fstat(self._file.fileno()).st_size
+        try:
+            written = 0
+            while written < len(line):
+                written += self._file.write(line[written:])
+        except OSError:
+            os.ftruncate(self._file.fileno(), end)
+            raise
 
     def close(self) -> None:
         if self._file is not None:
