@@ -275,6 +275,10 @@ class NsExec:
         ours.setblocking(False)
         self._sock = ours
 
+    def running(self) -> bool:
+        """Whether the fork server is started and has not exited (killed, say: its sandboxes died with it)."""
+        return self._proc is not None and self._proc.poll() is None
+
     def close(self) -> None:
         """Stop the fork server; sandbox inits it made die with it."""
         if self._sock is not None:

@@ -3,6 +3,7 @@ many sandboxes at once, argv versus shell strings, and bad input. The hostile su
 
 import asyncio
 import dataclasses
+import os
 import select
 import signal
 import subprocess
@@ -209,6 +210,24 @@ def test_killing_a_sandbox_init_mid_exec_fails_the_exec_with_a_sandbox_error(bac
             assert time.monotonic() - start < 10  # not the command's 60 s, nor its timeout
             assert await all_gone(members)
             await sb.close()
+
+    run(go())
+
+
+def test_killing_the_fork_server_mid_exec_fails_the_exec_and_the_next_sandbox_gets_a_new_server(backend):
+    async def go():
+        sb = await backend.create()
+        task, members = await sleep_in_flight(sb.exec(["sleep", "60"], timeout=120), sb._jail.pid)
+        server = backend.nsexec
+        os.kill(server._proc.pid, signal.SIGKILL)
+        with pytest.raises(SandboxError):
+            await task
+        assert await all_gone(members)  # the init dies with its server (a parent-death signal), the command too
+        assert not await sb.alive()
+        await sb.close()
+        async with await backend.create() as fresh:
+            assert backend.nsexec is not server and backend.nsexec.running()
+            assert (await fresh.exec("echo fine")).stdout == "fine\n"
 
     run(go())
 
