@@ -22,7 +22,7 @@ import yaml
 
 from kubernetes_asyncio import client as kube_client
 
-from i3core.errors import ConfigError, SandboxError, SandboxFileError, SandboxFileNotFound
+from i3core.errors import ConfigError, RolloutMasked, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.plugins.sandboxes.k8s import (
     RUN_LABEL,
     AgentClient,
@@ -35,7 +35,10 @@ from i3core.plugins.sandboxes.k8s import (
     pod_manifest,
 )
 from i3core.sandbox import AGENT_LIMITS, AGENT_TOKEN_ENV
+from i3core.sandbox_pool import SANDBOX_FAILED, SandboxPool
 from i3core.testing import make_component
+
+from tests.sandbox_backends import all_gone, sleep_in_flight
 
 from .conftest import run_cli
 
@@ -523,5 +526,54 @@ def test_agent_readiness_post_and_exec_end_to_end():
             with pytest.raises(SandboxError):
                 await sb.exec("true")
             assert not await sb.alive()
+
+    with_sleeper(go)
+
+
+class ReadyAgents:
+    """The backend a pool sees: it hands out one sandbox whose agent is already serving, as the ``k8s`` backend
+    does once a Pod's readiness POST arrived (no cluster here to make the Pod)."""
+
+    def __init__(self, sandbox: AgentClient):
+        self.sandbox = sandbox
+
+    async def create(self) -> AgentClient:
+        return self.sandbox
+
+    async def aclose(self) -> None:
+        await self.sandbox.close()
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+@pytest.mark.parametrize("victim", ["agent", "target"])
+def test_an_agent_or_its_target_killed_mid_exec_masks_the_rollout(victim):
+    """SIGKILL the agent (or the process whose namespaces it serves) while a rollout's command runs: the exec is
+    a SandboxError, never a hang or an exit status of the model's code, the pool masks the rollout with reason
+    sandbox_failed, and the command does not outlive the kill."""
+
+    async def go(target_pid):
+        async with ready_agent(target_pid, timeout_s=120) as (agent, sb):
+            pool = SandboxPool(ReadyAgents(sb), health_interval_s=60)  # the exec's own error masks, not the poll
+
+            async def rollout():
+                async with pool.lease() as leased:
+                    await leased.exec(["sleep", "100"])
+
+            task, members = await sleep_in_flight(rollout(), target_pid)
+            start = time.monotonic()
+            os.kill(agent.pid if victim == "agent" else target_pid, signal.SIGKILL)
+            try:
+                with pytest.raises(RolloutMasked) as masked:
+                    await task
+            finally:
+                await pool.close()
+            assert time.monotonic() - start < 30  # not the command's 100 s
+            assert masked.value.reason == SANDBOX_FAILED
+            why = "unreachable" if victim == "agent" else "died while it ran"
+            assert why in masked.value.detail, masked.value.detail
+            assert pool.stats["failed"] == 1
+            # the command dies with the agent's fork server, or with the target's pid namespace
+            assert await all_gone([p for p in members if p.pid != target_pid])
 
     with_sleeper(go)
