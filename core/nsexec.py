@@ -9,7 +9,10 @@ host's), stdin from /dev/null and stdout/stderr read through
 the writer never blocks). On a timeout every process of the sandbox but its
 init is killed: ``kill(-1, SIGKILL)`` as the sandbox uid inside its pid
 namespace, which reaches every process the sandbox started (they all run as
-that uid) and nothing else (the init and the agent run as root).
+that uid) and nothing else (the init and the agent run as root). A target
+killed from outside while a command runs (an init takes its whole pid
+namespace, so the command, down with it) leaves that command without a
+result: the exec raises SandboxError, never the command's exit status.
 
 The forking is done by a small single-threaded server, :mod:`i3core.nsfork`
 (one per :class:`NsExec`), so that this asyncio process, which may hold
@@ -272,6 +275,10 @@ class NsExec:
         ours.setblocking(False)
         self._sock = ours
 
+    def running(self) -> bool:
+        """Whether the fork server is started and has not exited (killed, say: its sandboxes died with it)."""
+        return self._proc is not None and self._proc.poll() is None
+
     def close(self) -> None:
         """Stop the fork server; sandbox inits it made die with it."""
         if self._sock is not None:
@@ -378,7 +385,11 @@ class NsExec:
                 raise SandboxError("processes of the sandbox survived being killed")
 
     async def exec(self, jail: Jail, args: list[str], timeout: float | None = None) -> ExecResult:
-        """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill all of it but its init."""
+        """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill all of it but its init.
+
+        :raises SandboxError: the target died while the command ran (which ended the command too, when the target
+            is its pid namespace's init): the sandbox failed, the command has no result.
+        """
         timeout = jail.limits.timeout_s if timeout is None else timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
             raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
@@ -423,6 +434,8 @@ class NsExec:
             for transport in transports:
                 transport.close()
         duration = time.monotonic() - start
+        if exiting(jail.pid, jail.pidfd):  # a command killed with its sandbox is no result of the model's code
+            raise SandboxError("running the command: the sandbox died while it ran (its target process is gone)")
         lines = _status_lines(decode(status))
         _raise_errors(lines, "running the command")
         exits = [int(rest) for kind, rest in lines if kind == "X"]
@@ -476,6 +489,24 @@ def check_alive(pidfd: int, what: str) -> None:
     """:raises SandboxError: the process behind ``pidfd`` has exited (its pid may name another process by now)."""
     if select.select([pidfd], [], [], 0)[0]:
         raise SandboxError(f"{what}: its init process is gone")
+
+
+PF_EXITING = 0x4
+"""The kernel's flag of a process that has begun to exit (field 9 of ``/proc/<pid>/stat``)."""
+
+
+def exiting(pid: int, pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` (host pid ``pid``) has exited or begun to. A sandbox's init killed
+    from outside takes its pid namespace down before its pidfd turns readable: it waits in its exit for every
+    process there to be reaped, so a command it killed has ended, and been reported, while the init still looks
+    alive to a pidfd. The flag tells it is on its way out."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # reaped already
+    if select.select([pidfd], [], [], 0)[0]:
+        return True
+    return bool(int(stat.rsplit(")", 1)[1].split()[6]) & PF_EXITING)  # not reaped, so the stat read was its own
 
 
 def open_root(pid: int, pidfd: int, what: str) -> int:

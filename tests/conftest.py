@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -17,6 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def builtins():
     """A fresh manager with i3core's built-in plugins only (installed third-party ones left out)."""
     return plugin_manager(installed=False)
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """``proc`` for the block; killed and drained if the block leaves it running (a failed assertion, a timeout),
+    so no run outlives its test."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@ rate limiter, the readiness webhook, the agent client, ``i3core sandbox manifest
 readiness + exec path end to end against a real agent and a namespaced process."""
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +22,7 @@ import yaml
 
 from kubernetes_asyncio import client as kube_client
 
-from i3core.errors import ConfigError, SandboxError, SandboxFileError, SandboxFileNotFound
+from i3core.errors import ConfigError, RolloutMasked, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.plugins.sandboxes.k8s import (
     RUN_LABEL,
     AgentClient,
@@ -33,7 +35,10 @@ from i3core.plugins.sandboxes.k8s import (
     pod_manifest,
 )
 from i3core.sandbox import AGENT_LIMITS, AGENT_TOKEN_ENV
+from i3core.sandbox_pool import SANDBOX_FAILED, SandboxPool
 from i3core.testing import make_component
+
+from tests.sandbox_backends import all_gone, sleep_in_flight
 
 from .conftest import run_cli
 
@@ -442,72 +447,133 @@ def local_agent_argv(cfg: K8sConfig, sandbox_id: str, target_pid: int, port: int
     return [sys.executable, "-m", "i3core.cli", "sandbox-agent", *out]
 
 
-@pytest.mark.slow
-@pytest.mark.sandbox
-def test_agent_readiness_post_and_exec_end_to_end():
+@contextlib.asynccontextmanager
+async def ready_agent(target_pid: int, **limits) -> AsyncIterator[tuple[subprocess.Popen, AgentClient]]:
+    """A real agent serving ``target_pid``, started from the Pod's command line and ready once its readiness POST
+    reached a real webhook; (its process, a client of it). Its output is printed at the end (shown on failure)."""
     token = secrets.token_hex(16)
-    work = E2E_WORKDIR
-    holder, target_pid = namespaced_sleeper()
     sandbox_id = "i3core-e2e0000001"
-
-    async def go():
-        webhook = ReadinessWebhook(token, "127.0.0.1", 0)
-        await webhook.start()
-        cfg = K8sConfig(webhook_url=f"http://127.0.0.1:{webhook.port}/ready", workdir=work, timeout_s=20,
-                        max_output_bytes=4096)  # fmt: skip
-        port = free_port()
-        ready = webhook.expect(sandbox_id)
-        agent = subprocess.Popen(local_agent_argv(cfg, sandbox_id, target_pid, port),
-                                 env={**os.environ, AGENT_TOKEN_ENV: token}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        try:
-            started = time.monotonic()
-            address = await webhook.wait(sandbox_id, ready, 60)
-            assert address == f"127.0.0.1:{port}", address
-            print(f"agent ready after {time.monotonic() - started:.2f}s")
-            async with AgentClient(sandbox_id, address, token, cfg) as sb:
-                assert await sb.alive()
-                await sb.write_file("dir/prog.py", "import os; print(open('dir/data.txt').read().upper(), os.getpid())")
-                await sb.write_file(f"{work}/dir/data.txt", b"hello")
-                result = await sb.exec(["python3", "dir/prog.py"])
-                word, pid = result.stdout.split()
-                assert (result.exit_code, word, result.timed_out) == (0, "HELLO", False), result
-                assert int(pid) < 100  # numbered in the target's PID namespace, not the host's
-                assert (await sb.exec("id -u")).stdout == f"{command_uid(sandbox_id)}\n"  # the Pod's --uid
-                result = await sb.exec("echo out; echo err >&2; exit 3")
-                assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
-                result = await sb.exec("head -c 100000 /dev/zero")
-                assert result.truncated and len(result.stdout) == 4096
-                result = await sb.exec("sleep 30", timeout=1)
-                assert result.timed_out and result.exit_code is None
-                await sb.exec("printf made > made.txt")
-                assert await sb.read_file("made.txt") == b"made"
-                with pytest.raises(SandboxFileNotFound):
-                    await sb.read_file("missing.txt")
-                with pytest.raises(SandboxFileError):
-                    await sb.write_file("/etc/passwd", "x")  # refused before any request
-                await sb.exec("ln -s /etc/passwd escape")
-                with pytest.raises(SandboxFileError):
-                    await sb.read_file("escape")  # refused by the agent (400)
-                await sb.reset()
-                assert (await sb.exec("ls -A")).stdout == ""
-                assert os.path.exists(f"/proc/{target_pid}")  # a timeout or reset never kills the sleeper
-                async with AgentClient(sandbox_id, address, "wrong-token", cfg) as intruder:
-                    with pytest.raises(SandboxError):
-                        await intruder.exec("true")
-                agent.kill()
-                agent.wait(10)
-                with pytest.raises(SandboxError):
-                    await sb.exec("true")
-                assert not await sb.alive()
-        finally:
-            if agent.poll() is None:
-                agent.kill()
-            print("agent output:", agent.communicate(timeout=10)[0])  # shown when the test fails
-            await webhook.stop()
-
+    webhook = ReadinessWebhook(token, "127.0.0.1", 0)
+    await webhook.start()
+    cfg = K8sConfig(webhook_url=f"http://127.0.0.1:{webhook.port}/ready", workdir=E2E_WORKDIR, **limits)
+    port = free_port()
+    ready = webhook.expect(sandbox_id)
+    agent = subprocess.Popen(local_agent_argv(cfg, sandbox_id, target_pid, port),
+                             env={**os.environ, AGENT_TOKEN_ENV: token}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        asyncio.run(asyncio.wait_for(go(), 180))
+        started = time.monotonic()
+        address = await webhook.wait(sandbox_id, ready, 60)
+        assert address == f"127.0.0.1:{port}", address
+        print(f"agent ready after {time.monotonic() - started:.2f}s")
+        async with AgentClient(sandbox_id, address, token, cfg) as sb:
+            yield agent, sb
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        print("agent output:", agent.communicate(timeout=10)[0])
+        await webhook.stop()
+
+
+def with_sleeper(test: Callable[[int], Awaitable[None]]) -> None:
+    """Run ``test(target_pid)`` against a fresh namespaced sleeper (bounded: 180 s), which is killed after."""
+    holder, target_pid = namespaced_sleeper()
+    try:
+        asyncio.run(asyncio.wait_for(test(target_pid), 180))
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+def test_agent_readiness_post_and_exec_end_to_end():
+    work = E2E_WORKDIR
+
+    async def go(target_pid):
+        async with ready_agent(target_pid, timeout_s=20, max_output_bytes=4096) as (agent, sb):
+            assert await sb.alive()
+            await sb.write_file("dir/prog.py", "import os; print(open('dir/data.txt').read().upper(), os.getpid())")
+            await sb.write_file(f"{work}/dir/data.txt", b"hello")
+            result = await sb.exec(["python3", "dir/prog.py"])
+            word, pid = result.stdout.split()
+            assert (result.exit_code, word, result.timed_out) == (0, "HELLO", False), result
+            assert int(pid) < 100  # numbered in the target's PID namespace, not the host's
+            assert (await sb.exec("id -u")).stdout == f"{command_uid(sb.id)}\n"  # the Pod's --uid
+            result = await sb.exec("echo out; echo err >&2; exit 3")
+            assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+            result = await sb.exec("head -c 100000 /dev/zero")
+            assert result.truncated and len(result.stdout) == 4096
+            result = await sb.exec("sleep 30", timeout=1)
+            assert result.timed_out and result.exit_code is None
+            await sb.exec("printf made > made.txt")
+            assert await sb.read_file("made.txt") == b"made"
+            with pytest.raises(SandboxFileNotFound):
+                await sb.read_file("missing.txt")
+            with pytest.raises(SandboxFileError):
+                await sb.write_file("/etc/passwd", "x")  # refused before any request
+            await sb.exec("ln -s /etc/passwd escape")
+            with pytest.raises(SandboxFileError):
+                await sb.read_file("escape")  # refused by the agent (400)
+            await sb.reset()
+            assert (await sb.exec("ls -A")).stdout == ""
+            assert os.path.exists(f"/proc/{target_pid}")  # a timeout or reset never kills the sleeper
+            async with AgentClient(sb.id, sb.address, "wrong-token", sb.config) as intruder:
+                with pytest.raises(SandboxError):
+                    await intruder.exec("true")
+            agent.kill()
+            agent.wait(10)
+            with pytest.raises(SandboxError):
+                await sb.exec("true")
+            assert not await sb.alive()
+
+    with_sleeper(go)
+
+
+class ReadyAgents:
+    """The backend a pool sees: it hands out one sandbox whose agent is already serving, as the ``k8s`` backend
+    does once a Pod's readiness POST arrived (no cluster here to make the Pod)."""
+
+    def __init__(self, sandbox: AgentClient):
+        self.sandbox = sandbox
+
+    async def create(self) -> AgentClient:
+        return self.sandbox
+
+    async def aclose(self) -> None:
+        await self.sandbox.close()
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+@pytest.mark.parametrize("victim", ["agent", "target"])
+def test_an_agent_or_its_target_killed_mid_exec_masks_the_rollout(victim):
+    """SIGKILL the agent (or the process whose namespaces it serves) while a rollout's command runs: the exec is
+    a SandboxError, never a hang or an exit status of the model's code, the pool masks the rollout with reason
+    sandbox_failed, and the command does not outlive the kill."""
+
+    async def go(target_pid):
+        async with ready_agent(target_pid, timeout_s=120) as (agent, sb):
+            pool = SandboxPool(ReadyAgents(sb), health_interval_s=60)  # the exec's own error masks, not the poll
+
+            async def rollout():
+                async with pool.lease() as leased:
+                    await leased.exec(["sleep", "100"])
+
+            task, members = await sleep_in_flight(rollout(), target_pid)
+            start = time.monotonic()
+            os.kill(agent.pid if victim == "agent" else target_pid, signal.SIGKILL)
+            try:
+                with pytest.raises(RolloutMasked) as masked:
+                    await task
+            finally:
+                await pool.close()
+            assert time.monotonic() - start < 30  # not the command's 100 s
+            assert masked.value.reason == SANDBOX_FAILED
+            why = "unreachable" if victim == "agent" else "died while it ran"
+            assert why in masked.value.detail, masked.value.detail
+            assert pool.stats["failed"] == 1
+            # the command dies with the agent's fork server, or with the target's pid namespace
+            assert await all_gone([p for p in members if p.pid != target_pid])
+
+    with_sleeper(go)

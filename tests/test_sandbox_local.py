@@ -17,6 +17,7 @@ import pytest
 from i3core.errors import SandboxError, SandboxFileError
 from i3core.sandbox import as_bytes, read_beneath, write_beneath
 from i3core.testing import make_component
+from tests.sandbox_backends import all_gone, namespace_members, running, sleep_in_flight
 
 pytestmark = pytest.mark.sandbox
 
@@ -32,26 +33,6 @@ def backend(tmp_path):
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def namespace_members(pid: int) -> list[psutil.Process]:
-    """Every process in the pid namespace of ``pid`` (psutil handles: safe against pid reuse)."""
-    ns = os.stat(f"/proc/{pid}/ns/pid").st_ino
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if os.stat(f"/proc/{proc.pid}/ns/pid").st_ino == ns:
-                members.append(proc)
-        except OSError:
-            pass
-    return members
-
-
-def running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_host_support_is_detected_and_limits_reach_the_cgroup(backend):
@@ -211,6 +192,42 @@ def test_a_sandbox_whose_init_died_refuses_everything(backend):
             finally:
                 host.kill()
                 host.wait()
+
+    run(go())
+
+
+def test_killing_a_sandbox_init_mid_exec_fails_the_exec_with_a_sandbox_error(backend):
+    """The command dies with its pid namespace; that is the sandbox failing, never an exit status (-9) of the
+    model's code. Three rounds: the init still looks alive to its pidfd when the command's end is reported."""
+    async def go():
+        for _ in range(3):
+            sb = await backend.create()
+            task, members = await sleep_in_flight(sb.exec(["sleep", "60"], timeout=120), sb._jail.pid)
+            start = time.monotonic()
+            signal.pidfd_send_signal(sb._pidfd, signal.SIGKILL)
+            with pytest.raises(SandboxError, match="died while it ran"):
+                await task
+            assert time.monotonic() - start < 10  # not the command's 60 s, nor its timeout
+            assert await all_gone(members)
+            await sb.close()
+
+    run(go())
+
+
+def test_killing_the_fork_server_mid_exec_fails_the_exec_and_the_next_sandbox_gets_a_new_server(backend):
+    async def go():
+        sb = await backend.create()
+        task, members = await sleep_in_flight(sb.exec(["sleep", "60"], timeout=120), sb._jail.pid)
+        server = backend.nsexec
+        os.kill(server._proc.pid, signal.SIGKILL)
+        with pytest.raises(SandboxError):
+            await task
+        assert await all_gone(members)  # the init dies with its server (a parent-death signal), the command too
+        assert not await sb.alive()
+        await sb.close()
+        async with await backend.create() as fresh:
+            assert backend.nsexec is not server and backend.nsexec.running()
+            assert (await fresh.exec("echo fine")).stdout == "fine\n"
 
     run(go())
 

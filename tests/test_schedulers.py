@@ -15,6 +15,7 @@ import pytest
 from i3core.config import validate
 from i3core.testing import plugin_manager
 
+from .conftest import reaped
 from .test_end_to_end import assert_ledger, read_metrics, server_pids, wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def test_ledger_holds_under_forced_staleness_and_a_server_that_hangs_and_comes_b
     scheduler = ('use = "async"\ngroup_size = 4\nbatch_size = 16\ninflight = 32\n'
                  "max_async = 2\nweight_update_lag = 1\nmax_off_policy_steps = 1")  # fmt: skip
     out, proc = start(tmp_path, STEPS, scheduler, timeout=2.0)
-    try:
+    with reaped(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
         assert len(pids) == 2
@@ -101,10 +102,6 @@ def test_ledger_holds_under_forced_staleness_and_a_server_that_hangs_and_comes_b
         wait_for_step(proc, out, 8)
         os.kill(pids[0], signal.SIGCONT)  # answers again: the re-probe lets it back in
         stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, stderr[-2000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

@@ -171,10 +171,15 @@ class LocalBackend:
         self._start_lock = threading.Lock()
 
     def start(self) -> None:
-        """Start the fork server and find what the host allows (once; ``create`` calls it)."""
+        """Start the fork server and find what the host allows (``create`` calls it: once, and again if the server
+        died, which took every sandbox it made with it)."""
         with self._start_lock:
-            if self.nsexec is not None:
+            if self.nsexec is not None and self.nsexec.running():
                 return
+            if self.nsexec is not None:
+                log.warning("the sandbox fork server died, and its sandboxes with it; starting a new one")
+                self.nsexec.close()
+                self.nsexec = None
             server = NsExec()
             server.start()
             try:
@@ -206,7 +211,7 @@ class LocalBackend:
             self.nsexec = server
 
     async def create(self) -> LocalSandbox:
-        if self.nsexec is None:
+        if self.nsexec is None or not self.nsexec.running():
             await asyncio.to_thread(self.start)
         sandbox_id = uuid.uuid4().hex[:12]
         base = Path(self.config.root_dir) / nsexec.owned_name("local", sandbox_id)
