@@ -9,14 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from i3core.config import validate
 from i3core.testing import plugin_manager
 
-from .test_end_to_end import LEDGER, read_metrics, server_pids
+from .conftest import assert_ledger, finish_run, killed_on_failure, read_metrics, wait_for_step
+from .test_end_to_end import server_pids
 
 pytestmark = pytest.mark.slow
 
@@ -65,20 +65,6 @@ def start(tmp_path, steps: int, scheduler: str, timeout: float = 600.0):
     return out, proc
 
 
-def wait_for_step(proc, out, step: int, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(read_metrics(out)) < step:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, f"step {step} not reached in {timeout:.0f}s"
-        time.sleep(0.05)
-
-
-def assert_ledger(rows) -> None:
-    for row in rows:
-        assert row["rollouts/started"] == sum(row[k] for k in LEDGER), row
-        assert row["rollouts/in_flight"] >= 0
-
-
 def test_the_config_resolves_with_the_simulated_source(tmp_path):
     import tomllib
 
@@ -108,22 +94,14 @@ def test_ledger_holds_under_forced_staleness_and_a_server_that_hangs_and_comes_b
     scheduler = ('use = "async"\ngroup_size = 4\nbatch_size = 16\ninflight = 32\n'
                  "max_async = 2\nweight_update_lag = 1\nmax_off_policy_steps = 1")  # fmt: skip
     out, proc = start(tmp_path, STEPS, scheduler, timeout=2.0)
-    try:
+    with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGSTOP)  # hangs: its requests time out, it is marked down
         wait_for_step(proc, out, 8)
         os.kill(pids[0], signal.SIGCONT)  # answers again: the re-probe lets it back in
-        stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, stderr[-2000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert_ledger(rows)
+    stderr, rows = finish_run(proc, out, STEPS)
     last = rows[-1]
     assert last["rollouts/dropped_stale"] > 0  # forced staleness dropped whole groups ...
     assert last["rollouts/trained"] >= STEPS * 16  # ... and every step still got a batch
