@@ -49,7 +49,7 @@ def server_pids(out):
 
 def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_path):
     out = tmp_path / "run"
-    proc = start_run(out, "run.max_steps=40", "sft.steps=5")
+    proc = start_run(out, "run.max_steps=40", "sft.steps=5", "inference.restarts=0")  # it never comes back
     with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
@@ -62,6 +62,8 @@ def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_pa
     assert rows[-1]["rollouts/requeued"] > 0
     assert rows[-1]["rollouts/failed"] == 0
     assert "inference server marked down" in stderr
+    assert "inference server crashed" not in stderr  # restarts=0: not supervised at all
+    assert "inference server re-admitted" not in stderr and rows[-1]["servers/live"] == 1
 
 
 def group_run(tmp_path, config_name, *sets):
