@@ -3,6 +3,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,18 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def builtins():
     """A fresh manager with i3core's built-in plugins only (installed third-party ones left out)."""
     return plugin_manager(installed=False)
-
-
-@contextlib.contextmanager
-def reaped(proc: subprocess.Popen):
-    """``proc`` for the block; killed and drained if the block leaves it running (a failed assertion, a timeout),
-    so no run outlives its test."""
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -64,6 +53,60 @@ def quickstart_run(tmp_path: Path, *sets: str, replace: dict[str, str] | None = 
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return proc, out, rows
+
+
+LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
+"""The buckets that add up to ``rollouts/started`` on every metrics row."""
+
+
+def assert_ledger(rows: list[dict]) -> None:
+    for row in rows:
+        assert row["rollouts/started"] == sum(row[k] for k in LEDGER), row
+        assert row["rollouts/in_flight"] >= 0
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The rows of ``out/metrics.jsonl`` so far (none before the first step)."""
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_while_running(proc: subprocess.Popen, condition, what: str, timeout: float = 300.0) -> None:
+    """Until ``condition()`` holds; fails if ``proc`` (an ``i3core run``) ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}: " + proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"{what} not within {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 300.0) -> None:
+    """Until the run writing ``out`` has written the metrics of ``step``."""
+    wait_while_running(proc, lambda: len(read_metrics(out)) >= step, f"step {step}", timeout)
+
+
+@contextlib.contextmanager
+def killed_on_failure(proc: subprocess.Popen):
+    """Kill ``proc`` (an ``i3core run``) if the block fails while it runs: a failed test leaves no run behind."""
+    try:
+        yield
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        raise
+
+
+def finish_run(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 600.0) -> tuple[str, list[dict]]:
+    """Wait for the run writing ``out`` to end; assert it exited 0 with the metrics of steps 1..``steps`` and
+    the ledger adding up on every row. Returns its stderr and the rows."""
+    with killed_on_failure(proc):
+        _, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr[-2000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert_ledger(rows)
+    return stderr, rows
 
 
 def trainer_command(config_path: Path, nproc: int, *args: str) -> list[str]:

@@ -14,9 +14,8 @@ import torch
 
 from i3core import hookimpl
 
-from .conftest import ROOT, run_cli
+from .conftest import LEDGER, ROOT, run_cli
 
-LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
 
 BAD_CONFIGS = sorted((Path(__file__).parent / "bad_configs").glob("*.toml"))
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from i3core import checkpoint
 from i3core.checkpoint import OrchestratorState
 
-from .conftest import trainer_command, torchrun_trainer
-from .test_end_to_end import assert_ledger, read_metrics, start_run, wait_for_step
+from .conftest import assert_ledger, read_metrics, trainer_command, torchrun_trainer, wait_for_step
+from .test_end_to_end import start_run
 from .test_trainer_distributed import make_batches, trainer_config
 
 STEPS = 6

@@ -5,15 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import LEDGER, ROOT, finish_run, killed_on_failure, read_metrics, wait_for_step, wait_while_running
 
 pytestmark = pytest.mark.slow
-
-LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
 
 
 def start_run(out, *sets, resume=False):
@@ -21,27 +18,6 @@ def start_run(out, *sets, resume=False):
             "--set", f"run.output_dir='{out}'", *[a for s in sets for a in ("--set", s)],
             *(["--resume"] if resume else [])]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def read_metrics(out):
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_for_step(proc, out, step: int, timeout: float = 300.0) -> None:
-    """Until ``out``'s metrics.jsonl has ``step`` rows; fails if the run exits first."""
-    deadline = time.monotonic() + timeout
-    while len(read_metrics(out)) < step:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, f"step {step} not reached in {timeout:.0f}s"
-        time.sleep(0.05)
-
-
-def assert_ledger(rows) -> None:
-    """The rollout ledger adds up on every row."""
-    for row in rows:
-        assert row["rollouts/started"] == sum(row[k] for k in LEDGER), row
-        assert row["rollouts/in_flight"] >= 0
 
 
 def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
@@ -75,26 +51,55 @@ def server_pids(out):
 
 def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_path):
     out = tmp_path / "run"
-    proc = start_run(out, "run.max_steps=40", "sft.steps=5")
-    try:
+    proc = start_run(out, "run.max_steps=40", "sft.steps=5", "inference.restarts=0")  # it never comes back
+    with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-2000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 41))
+    stderr, rows = finish_run(proc, out, 40)
     for row in rows:
-        assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
         assert 0 < row["perf/mfu"] < 1 and row["memory/activations_mb"] > 0
     # the rollouts running on the killed server are re-queued on the other one: none lost, none failed
     assert rows[-1]["rollouts/requeued"] > 0
     assert rows[-1]["rollouts/failed"] == 0
     assert "inference server marked down" in stderr
+    assert "inference server crashed" not in stderr  # restarts=0: not supervised at all
+    assert "inference server re-admitted" not in stderr and rows[-1]["servers/live"] == 1
+
+
+RESTART_STEPS = 100
+"""Steps take 0.2 s to 1 s here: enough for a killed server to be restarted (seconds to load torch and the model)
+and re-admitted (re-probed with backoff up to 8 s) well before the run ends."""
+
+
+def logged(out, event: str) -> list[dict]:
+    """The run's log events (``logs/run.jsonl``) named ``event`` so far."""
+    path = out / "logs" / "run.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [row for row in rows if row.get("event") == event]
+
+
+def test_a_killed_server_is_restarted_and_re_admitted_and_the_ledger_holds(tmp_path):
+    out = tmp_path / "run"
+    proc = start_run(out, f"run.max_steps={RESTART_STEPS}", "sft.steps=5")
+    with killed_on_failure(proc):
+        wait_for_step(proc, out, 3)
+        pids = server_pids(out)
+        assert len(pids) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        wait_while_running(proc, lambda: logged(out, "inference server re-admitted"), "the re-admission")
+        back = server_pids(out)  # the restarted process on the killed one's port and weights
+        assert len(back) == 2 and pids[0] not in back and pids[1] in back
+    stderr, rows = finish_run(proc, out, RESTART_STEPS)
+    # the rollouts running on the killed server are re-queued on the other one: none lost, none failed
+    assert rows[-1]["rollouts/requeued"] > 0 and rows[-1]["rollouts/failed"] == 0
+    for event in ("inference server marked down", "inference server crashed; restarting",
+                  "inference server re-admitted"):
+        assert event in stderr, event
+    assert min(r["servers/live"] for r in rows) == 1 and rows[-1]["servers/live"] == 2
+    assert "Traceback" not in stderr
+    assert server_pids(out) == []  # the restarted server stopped with the run
 
 
 def group_run(tmp_path, config_name, *sets):

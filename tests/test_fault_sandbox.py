@@ -17,9 +17,7 @@ from i3core.nsfork import INIT
 
 from tests.sandbox_backends import running
 
-from .conftest import reaped
-from .test_end_to_end import LEDGER, read_metrics
-from .test_schedulers import wait_for_step
+from .conftest import assert_ledger, killed_on_failure, read_metrics, wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
@@ -143,7 +141,7 @@ def test_sandboxes_killed_mid_exec_mask_their_rollouts_and_the_run_trains_on(tmp
     run = subprocess.Popen([sys.executable, "-m", "i3core.cli", "run", str(config), "--set",
                             f"run.output_dir='{out}'"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed = []
-    with reaped(run):
+    with killed_on_failure(run):
         wait_for_step(run, out, 2)  # RL under way: the kills hit rollouts, not the SFT warm-up
         before = read_metrics(out)[-1]
         for _ in range(INIT_KILLS):  # one sandbox at a time: its init takes the model's program down with it
@@ -160,8 +158,8 @@ def test_sandboxes_killed_mid_exec_mask_their_rollouts_and_the_run_trains_on(tmp
     assert "Traceback" not in stderr + stdout, (stdout + stderr)[-3000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 25))
+    assert_ledger(rows)
     for row in rows:
-        assert row["rollouts/started"] == sum(row[k] for k in LEDGER), row
         assert row["rollouts/failed"] == 0, row  # a sandbox that dies is a mask, not a failure of the env
     last = rows[-1]
     assert masked(rows) >= masked(rows[:step_at_kills]) + 1, last  # the fork server's death masked more

@@ -7,11 +7,10 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import LEDGER, ROOT
 
 pytestmark = pytest.mark.slow
 
-LEDGER = ["rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed", "rollouts/in_flight"]
 
 
 def free_port() -> int:

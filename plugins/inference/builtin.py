@@ -2,24 +2,40 @@
 
 Each server is its own process (``python -m i3core.plugins.inference.server``)
 on 127.0.0.1 with a free port; the orchestrator gets one client per server.
+
+Once every server is up, a supervisor thread watches them for the rest of the
+run: a server that crashes (a non-zero exit or a signal such as SIGKILL) is
+started again with the same command, port and weights, at most ``restarts``
+times; the orchestrator's re-probe then brings it to the served version and
+re-admits it. A server that exits 0 was asked to stop (SIGTERM, Ctrl-C) and is
+left down. Supervision ends at :meth:`ServerProcesses.close`, before the
+servers are stopped, so nothing restarts during shutdown.
 """
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from i3core.errors import I3Error, Problem, ServerError
 from i3core.plugins.inference.client import InferenceClient
+from i3core.plugins.weight_sync.filesystem import STABLE, reading
+
+log = structlog.get_logger("i3core.inference")
 
 STARTUP_TIMEOUT_S = 120.0
 """Loading torch and the model takes a few seconds on 2 cores; a server that is not up by then failed."""
 HEALTH_POLL_S = 0.2
+SUPERVISE_POLL_S = 0.5
+"""How often the supervisor looks for a crashed server: a restart begins at most this long after the crash."""
 
 
 class ServerConfig(BaseModel):
@@ -34,14 +50,18 @@ class ServerConfig(BaseModel):
     request_timeout_s: float = Field(
         600.0, gt=0, description="A completion not back by then marks its server down (its rollouts are re-queued)."
     )
+    restarts: int = Field(
+        3, ge=0, description="Times each server is started again (same port and weights) after it crashes mid-run; "
+                             "0: never. Keeps the version the servers started from on disk for the run.")
 
 
 class ServerProcesses:
-    """Start ``servers`` server processes on 127.0.0.1 and hand out one client per server.
+    """Start ``servers`` server processes on 127.0.0.1, hand out one client per server, restart crashed ones.
 
     Subclasses say which command starts server ``i`` (:meth:`command`). With a
     weight-sync ``receiver`` (a JSON spec, see the weight sync's ``receiver``),
-    server ``i`` joins it as rank ``i + 1`` (:func:`receiver_args`).
+    server ``i`` joins it as rank ``i + 1`` (:func:`receiver_args`); such a
+    server is not restarted (a broadcast group cannot take a member back).
     """
 
     Config = ServerConfig
@@ -51,6 +71,11 @@ class ServerProcesses:
         self.config = config
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
+        self._launches: list[tuple[list[str], dict[str, str] | None, Path]] = []
+        """Per server, what starts it: its command, its environment and its log file."""
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._lease = contextlib.ExitStack()
 
     @staticmethod
     def check_config(config: ServerConfig, run) -> list[Problem]:
@@ -69,17 +94,62 @@ class ServerProcesses:
         return None
 
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None) -> list[str]:
-        """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy."""
+        """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy.
+
+        From then on until :meth:`close`, a server that crashes is restarted (``restarts``). While restarts are
+        allowed, a reader's lease holds ``model_dir`` when it is a weight version (it has a STABLE marker), so
+        the weight sync does not prune the weights a restarted server loads.
+        """
         log_dir.mkdir(parents=True, exist_ok=True)
+        restart = self.config.restarts > 0 and receiver is None
+        if restart and (Path(model_dir) / STABLE).exists():
+            self._lease.enter_context(reading(Path(model_dir)))
         for i in range(self.config.servers):
             port = _free_port(self.config.host)
-            log = open(log_dir / f"inference-{i}.log", "ab")
             cmd = self.command(i, port, model_dir, version, receiver)
-            env = self.environment(i, version, receiver)
-            self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            self._launches.append((cmd, self.environment(i, version, receiver), log_dir / f"inference-{i}.log"))
+            self.processes.append(self._launch(i))
             self.urls.append(f"http://{self.config.host}:{port}")
         asyncio.run(self._wait_healthy(log_dir))
+        if self.config.restarts > 0:
+            why_not = None if restart else "a server of a broadcast weight sync cannot rejoin its group"
+            self._supervisor = threading.Thread(target=self._supervise, args=(why_not,),
+                                                name="i3core-server-supervisor", daemon=True)
+            self._supervisor.start()
         return self.urls
+
+    def _launch(self, index: int) -> subprocess.Popen:
+        cmd, env, log_path = self._launches[index]
+        with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
+            return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+    def _supervise(self, why_not: str | None) -> None:
+        """Restart each crashed server, ``restarts`` times at most, until :meth:`close` (a daemon thread)."""
+        left = [self.config.restarts] * len(self.processes)
+        settled: set[int] = set()
+        """Servers that exited and stay down."""
+        while not self._closing.wait(SUPERVISE_POLL_S):
+            for i, proc in enumerate(self.processes):
+                code = proc.poll()
+                if code is None or i in settled or self._closing.is_set():
+                    continue
+                where = {"index": i, "url": self.urls[i], "returncode": code, "log": str(self._launches[i][2])}
+                if code == 0:  # asked to stop (SIGTERM, Ctrl-C): not a crash
+                    settled.add(i)
+                    log.info("inference server stopped; not restarted", **where)
+                elif why_not is not None or left[i] == 0:
+                    settled.add(i)
+                    reason = why_not or f"restarted {self.config.restarts} times already (inference.restarts)"
+                    log.warning("inference server crashed; not restarted", **where, reason=reason)
+                else:
+                    left[i] -= 1
+                    log.warning("inference server crashed; restarting", **where,
+                                restart=f"{self.config.restarts - left[i]}/{self.config.restarts}")
+                    try:
+                        self.processes[i] = self._launch(i)
+                    except OSError as exc:
+                        settled.add(i)
+                        log.warning("inference server crashed; not restarted", **where, reason=str(exc))
 
     async def _wait_healthy(self, log_dir: Path) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -104,6 +174,11 @@ class ServerProcesses:
         return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, timeout_s=self.config.request_timeout_s)
 
     def close(self) -> None:
+        """Stop supervising, then stop every server (SIGTERM, SIGKILL after 10 s) and release the weights."""
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
         for proc in self.processes:
             if proc.poll() is None:
                 proc.terminate()
@@ -114,6 +189,7 @@ class ServerProcesses:
                 proc.kill()
                 proc.wait()
         self.processes.clear()
+        self._lease.close()
 
 
 class BuiltinSource(ServerProcesses):
