@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from i3core import checkpoint
 from i3core.checkpoint import OrchestratorState
 
-from .conftest import assert_ledger, read_metrics, trainer_command, torchrun_trainer, wait_for_step
+from .conftest import assert_ledger, killed_on_failure, read_metrics, trainer_command, torchrun_trainer, wait_for_step
 from .test_end_to_end import start_run
 from .test_trainer_distributed import make_batches, trainer_config
 
@@ -143,15 +143,11 @@ def test_a_run_whose_trainer_is_killed_resumes_from_its_last_checkpoint(tmp_path
     out = tmp_path / "run"
     sets = ["run.max_steps=8", "sft.steps=5", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2"]
     proc = start_run(out, *sets)
-    try:
+    with killed_on_failure(proc):
         wait_for_step(proc, out, 5, timeout=400)
         (rank,) = trainer_worker_pids(out)
         os.kill(rank, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 1
     assert "error: the trainer exited" in stderr and "Traceback" not in stderr, stderr[-2000:]
     resumed_from = checkpoint.latest(out / "checkpoints")
@@ -232,14 +228,10 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint_resumes
     try:
         sets = ["run.max_steps=14", "sft.steps=5", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
         proc = start_run(out, *sets)
-        try:
+        with killed_on_failure(proc):
             wait_for_step(proc, out, 3, timeout=400)
             filler = fill(out)
             _, stderr = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
         assert proc.returncode == 1
         last = checkpoint.latest(out / "checkpoints")
         assert last is not None and last >= 2
