@@ -187,6 +187,8 @@ class OrchestratorState:
     ledger: dict = field(default_factory=dict)
     batch_positions: list[int] = field(default_factory=list)
     """Stream positions of the prompts in this step's batch."""
+    batch_metrics: dict = field(default_factory=dict)
+    """The batch's metrics (reward, staleness, ...): a step's metrics row can be rebuilt from them."""
 
     def save(self, path: Path) -> None:
         from i3core.files import atomic_write_bytes

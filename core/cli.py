@@ -1,8 +1,10 @@
 """The ``i3core`` command: parse, build, run, close. Errors are one line and a non-zero exit."""
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -401,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from i3core import log
 
     log.configure(level=args.log_level)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, to stderr
     try:
         return args.func(args)
     except ConfigError as exc:

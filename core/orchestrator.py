@@ -417,20 +417,21 @@ class Orchestrator:
         batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
         self.ledger.trained += len(rollouts)
-        # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
-        self._state(step, [self._positions.pop(id(g)) for g in groups]).save(self.paths.orchestrator_state(step))
-        atomic_torch_save(batch, self.paths.batch(step))
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
+        # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
+        state = self._state(step, [self._positions.pop(id(g)) for g in groups], self._batch_metrics[step])
+        state.save(self.paths.orchestrator_state(step))
+        atomic_torch_save(batch, self.paths.batch(step))
         return True
 
-    def _state(self, step: int, batch_positions: list[int]) -> OrchestratorState:
+    def _state(self, step: int, batch_positions: list[int], batch_metrics: dict | None = None) -> OrchestratorState:
         """What a run resumed from the checkpoint of ``step`` continues with: groups not in a batch yet are
         drawn again, so their rollouts leave the ledger (``started`` counts only accounted ones)."""
         redraw = sorted([g.position for g in self._open] + list(self._positions.values()) + list(self._to_redraw))
         accounted = self.ledger.started - self._in_flight()
         ledger = {**asdict(self.ledger), "started": accounted, "masked_reasons": dict(self.ledger.masked_reasons)}
         return OrchestratorState(step=step, next_position=self._next_position, redraw=redraw, ledger=ledger,
-                                 batch_positions=batch_positions)
+                                 batch_positions=batch_positions, batch_metrics=batch_metrics or {})
 
     # -- trainer watch -----------------------------------------------------------
 

@@ -10,6 +10,7 @@ what is missing.
 import asyncio
 import errno
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -175,7 +176,36 @@ def prepare_resume(config: RunConfig) -> OrchestratorState:
     # Version N too: the resumed trainer publishes it again, and nothing may load the old copy meanwhile.
     checkpoint.drop_after(paths.broadcasts, step - 1)
     checkpoint.truncate_metrics(out / "metrics.jsonl", step)
+    _restore_missing_rows(paths, out / "metrics.jsonl", step)
     return state
+
+
+def _restore_missing_rows(paths: RunPaths, metrics: Path, step: int) -> None:
+    """Rows of steps up to the checkpoint that never reached metrics.jsonl (the run died, or the disk filled,
+    between the trainer's checkpoint and the orchestrator's row) are rebuilt from what both roles saved for
+    that step: the batch's metrics and ledger (orchestrator/step_K.json, nothing in flight) and the trainer's
+    metrics (trainer/step_K.json). A step with neither file stays missing, with a warning."""
+    from i3core.orchestrator import Ledger
+
+    present = set()
+    if metrics.exists():
+        present = {json.loads(line)["step"] for line in metrics.read_text().splitlines()}
+    rows = []
+    for missing in (k for k in range(1, step + 1) if k not in present):
+        try:
+            state = OrchestratorState.load(paths.orchestrator_state(missing))
+            trained = json.loads(paths.trainer_metrics(missing).read_text())
+        except (I3Error, OSError, ValueError) as exc:
+            log.warning("a metrics row cannot be rebuilt", step=missing, reason=str(exc))
+            continue
+        ledger = Ledger.resumed(state.ledger).metrics(in_flight=0)
+        row = {**state.batch_metrics, **trained, **ledger, "weights/version": missing, "resume/rebuilt_row": 1}
+        rows.append({"step": missing, **{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                         for k, v in row.items()}})  # as the jsonl sink writes them
+    if rows:
+        log.warning("metrics rows rebuilt from the saved step states", steps=[r["step"] for r in rows])
+        with open(metrics, "a", encoding="utf-8") as file:
+            file.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def _check_resumable(config: RunConfig, saved: Path) -> None:

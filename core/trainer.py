@@ -536,6 +536,8 @@ def main(argv=None) -> int:
         if args.resume is not None:
             resume = checkpoint.resume_step(config.run.out) if args.resume == "latest" else _step_arg(args.resume)
         Trainer(config, resume_step=resume).run()
+        if dist.is_initialized():  # every rank done (rank 0 renames the last checkpoint) before any tears down
+            dist.barrier()
         return 0
     except I3Error as exc:
         print(f"error: {exc}", file=sys.stderr)

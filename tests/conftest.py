@@ -1,6 +1,7 @@
 import asyncio
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -87,13 +88,17 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
 
 @contextlib.contextmanager
 def killed_on_failure(proc: subprocess.Popen):
-    """Kill ``proc`` (an ``i3core run``) if the block fails while it runs: a failed test leaves no run behind."""
+    """Kill ``proc`` (an ``i3core run``) if the block fails while it runs: a failed test leaves no run behind.
+    First SIGUSR1 (the CLI then prints every thread's stack): the end of its stderr goes to the test's output."""
     try:
         yield
     except BaseException:
         if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             proc.kill()
-            proc.communicate()
+            _, stderr = proc.communicate()
+            print(f"--- the run's stderr, last 8000 characters ---\n{(stderr or '')[-8000:]}")
         raise
 
 

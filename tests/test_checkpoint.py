@@ -278,3 +278,27 @@ def test_a_resumed_stream_draws_the_untrained_prompts_again_first_and_keeps_the_
     # resumed again before 5 and 6 were drawn: they are still owed
     assert resumed._state(5, []).redraw == [5, 6]
     assert [p for p, _ in (next(resumed._examples) for _ in range(4))] == [5, 6, 8, 9]
+
+
+def test_resume_rebuilds_the_rows_of_steps_the_checkpoint_holds_but_metrics_jsonl_lacks(tmp_path):
+    """The trainer checkpointed step 3, then the run died (or the disk filled) before the orchestrator wrote
+    row 3: the row is rebuilt from the step's saved orchestrator and trainer metrics."""
+    from i3core.run import _restore_missing_rows
+    from i3core.trainer import RunPaths
+
+    paths = RunPaths(tmp_path)
+    paths.make()
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2)))
+    ledger = {"started": 96, "trained": 72, "dropped_stale": 16, "masked": 8, "failed": 0, "requeued": 3,
+              "masked_reasons": {"group_filtered": 8}}
+    OrchestratorState(step=3, next_position=12, redraw=[], ledger=ledger,
+                      batch_metrics={"reward/mean": 0.5}).save(paths.orchestrator_state(3))
+    paths.trainer_metrics(3).write_text(json.dumps({"loss": -0.25, "mismatch/same_version_abs_diff": float("nan")}))
+    _restore_missing_rows(paths, metrics, 3)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    row = rows[2]
+    assert (row["loss"], row["reward/mean"], row["resume/rebuilt_row"]) == (-0.25, 0.5, 1)
+    assert row["mismatch/same_version_abs_diff"] is None and row["rollouts/masked/group_filtered"] == 8
+    assert_ledger(rows[2:])
