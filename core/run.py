@@ -171,8 +171,8 @@ def prepare_resume(config: RunConfig) -> OrchestratorState:
                       "it cannot resume a run")
     state = checkpoint.OrchestratorState.load(directory / checkpoint.ORCHESTRATOR)
     paths = RunPaths(out)
-    for directory in (paths.orchestrator, paths.trainer, paths.batches):
-        checkpoint.drop_after(directory, step)
+    for folder in (paths.orchestrator, paths.trainer, paths.batches):
+        checkpoint.drop_after(folder, step)
     # Version N too: the resumed trainer publishes it again, and nothing may load the old copy meanwhile.
     checkpoint.drop_after(paths.broadcasts, step - 1)
     checkpoint.truncate_metrics(out / "metrics.jsonl", step)
