@@ -81,7 +81,7 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
 def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
     """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop."""
     from i3core.orchestrator import ClientSlot, Orchestrator
-    from i3core.run import _plot, build, stop_token_ids
+    from i3core.run import _plot, build, lifecycle, stop_token_ids
 
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
@@ -90,9 +90,12 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
     run = build(config, plugins)
     paths = RunPaths(run.output_dir)
     paths.make()
-    status = "failed"
-    try:
-        plugins.hook.i3_on_run_start(config=config, output_dir=run.output_dir)
+
+    def finish() -> None:  # as `i3core run` does before its lifecycle ends: the trainer told to stop, the plots
+        paths.request_stop()
+        _plot(run.output_dir)
+
+    with lifecycle(run, before_end=finish):
         sync, source = run.components["weight_sync"], run.components["inference"]
         log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
         wait_for_version_0(sync, paths)
@@ -111,14 +114,4 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
                     await slot.client.close()
 
         asyncio.run(drive())
-        status = "completed"
-        return 0
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        paths.request_stop()
-        plugins.hook.i3_on_run_end(config=config, status=status)
-        run.close()
-        _plot(run.output_dir)
-        log.info("run ended", status=status, output_dir=str(run.output_dir))
+    return 0

@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,9 +123,7 @@ def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
     if not resume and trains:
         checkpoint.refuse_fresh_start_over(config.run.out)
     run = build(config, plugins)
-    status = "failed"
-    try:
-        plugins.hook.i3_on_run_start(config=config, output_dir=run.output_dir)
+    with lifecycle(run):
         missing = [s for s in TRAINING_SECTIONS if s not in config.components]
         built = ", ".join(f"{s}={spec.name}" for s, spec in config.components.items()) or "nothing"
         if missing:
@@ -139,13 +139,25 @@ def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
                 can_train()
             log.info("starting", built=built, **({} if start is None else {"resumed_from_step": start.step}))
             train(run, start)
+    return 0
+
+
+@contextmanager
+def lifecycle(run: Run, before_end: Callable[[], None] | None = None) -> Iterator[None]:
+    """``i3_on_run_start``, the block, then however it ends (``completed``, ``failed`` or ``interrupted``):
+    ``before_end()``, ``i3_on_run_end`` with that status, the components closed and one log line."""
+    status = "failed"
+    try:
+        run.plugins.hook.i3_on_run_start(config=run.config, output_dir=run.output_dir)
+        yield
         status = "completed"
-        return 0
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
-        plugins.hook.i3_on_run_end(config=config, status=status)
+        if before_end is not None:
+            before_end()
+        run.plugins.hook.i3_on_run_end(config=run.config, status=status)
         run.close()
         log.info("run ended", status=status, output_dir=str(run.output_dir))
 
