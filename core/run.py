@@ -50,6 +50,9 @@ names it or one more sink."""
 TRAINER_START_TIMEOUT_S = 900.0
 """The trainer publishes version 0 after its SFT warm start; that must happen within this bound."""
 TRAINER_EXIT_TIMEOUT_S = 120.0
+TRAINER_POLL_S = 0.2
+LAUNCHER_GRACE_S = 30.0
+"""How long torchrun may outlive all of its trainer ranks before the run stops it (it exits at once normally)."""
 FULL_DISK_BYTES = 1 << 20
 """Free space under which a trainer that left no error line is taken to have failed on the full disk."""
 
@@ -343,15 +346,49 @@ def trainer_failure(returncode: int, out: Path, when: str = "") -> I3Error:
     return I3Error(f"the trainer exited with {returncode}{' ' + when if when else ''}; see {log_path}")
 
 
-async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None:
-    async def watch_trainer():
-        while trainer.poll() is None:
-            await asyncio.sleep(0.2)
-        if trainer.returncode != 0:
-            raise trainer_failure(trainer.returncode, orchestrator.config.run.out)
+def _live_children(pid: int) -> set[int]:
+    """The children of ``pid`` that have not exited (zombies left out), from /proc; empty where there is none."""
+    children = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children.update(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    alive = set()
+    for child in children:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.add(child)
+    return alive
 
+
+async def watch_trainer(trainer: subprocess.Popen, out: Path, grace_s: float = LAUNCHER_GRACE_S) -> None:
+    """Until the trainer (torchrun) exits; its failure raised as one line. A launcher that outlives every rank
+    it started by ``grace_s`` (a torchrun seen to hang on its way out after a rank was SIGKILLed) is killed, so
+    the run fails instead of waiting for it for ever."""
+    seen: set[int] = set()
+    ranks_gone_at = None
+    while trainer.poll() is None:
+        await asyncio.sleep(TRAINER_POLL_S)
+        live = _live_children(trainer.pid)
+        seen |= live
+        if not seen or live & seen:
+            continue
+        ranks_gone_at = ranks_gone_at or time.monotonic()
+        if time.monotonic() - ranks_gone_at > grace_s:
+            log.warning("the trainer's launcher outlived its ranks; stopping it", pid=trainer.pid, grace_s=grace_s)
+            trainer.kill()
+            trainer.wait()
+    if trainer.returncode != 0:
+        raise trainer_failure(trainer.returncode, out)
+
+
+async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None:
     main = asyncio.create_task(orchestrator.run())
-    guard = asyncio.create_task(watch_trainer())
+    guard = asyncio.create_task(watch_trainer(trainer, orchestrator.config.run.out))
     try:
         done, _ = await asyncio.wait({main, guard}, return_when=asyncio.FIRST_COMPLETED)
         if guard in done and not main.done():

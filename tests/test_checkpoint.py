@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -302,3 +303,37 @@ def test_resume_rebuilds_the_rows_of_steps_the_checkpoint_holds_but_metrics_json
     assert (row["loss"], row["reward/mean"], row["resume/rebuilt_row"]) == (-0.25, 0.5, 1)
     assert row["mismatch/same_version_abs_diff"] is None and row["rollouts/masked/group_filtered"] == 8
     assert_ledger(rows[2:])
+
+
+def test_a_launcher_that_outlives_its_ranks_is_stopped_and_the_trainer_failure_raised(tmp_path):
+    """A torchrun that hangs after its rank was SIGKILLed (seen in CI) must not hold the run for ever."""
+    import asyncio
+
+    from i3core.errors import I3Error
+    from i3core.run import watch_trainer
+
+    (tmp_path / "logs").mkdir()
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                                 "subprocess.Popen(['sleep', '600']).wait()\ntime.sleep(600)"])
+    try:
+        async def kill_the_rank():
+            watch = asyncio.create_task(watch_trainer(launcher, tmp_path, grace_s=1.0))
+            while not (ranks := _children(launcher.pid)):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the watch has seen the rank
+            os.kill(ranks[0], signal.SIGKILL)
+            return await watch
+
+        started = time.monotonic()
+        with pytest.raises(I3Error, match="the trainer exited with -9"):
+            asyncio.run(asyncio.wait_for(kill_the_rank(), 60))
+        assert time.monotonic() - started < 30 and launcher.poll() == -9
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def _children(pid):
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children()]
