@@ -81,9 +81,10 @@ def simulated_run(scheduler: dict, servers: int, args, work: Path) -> dict:
     """One scenario: the orchestrator, ``servers`` simulated servers and the modelled trainer."""
     from i3core.config import validate
     from i3core.manager import load_plugins
-    from i3core.orchestrator import ClientSlot, Orchestrator
-    from i3core.run import build, with_defaults
-    from i3core.trainer import RunPaths
+    from i3core.loop.orchestrator import ClientSlot, Orchestrator
+    from i3core.config import with_defaults
+    from i3core.loop.run import build
+    from i3core.loop.paths import RunPaths
 
     out = work / f"{scheduler['use']}-{servers}"
     timing = {"step_base_ms": args.step_base_ms, "step_per_seq_ms": args.step_per_seq_ms, **LENGTHS}
@@ -178,7 +179,7 @@ def main() -> None:
     parser.add_argument("--step-per-seq-ms", type=float, default=0.1, help="simulated decode step: per sequence")
     parser.add_argument("--quickstart-steps", type=int, default=40, help="real quickstart steps per scheduler (0: skip)")
     args = parser.parse_args()
-    from i3core.log import configure
+    from i3core.cli.log import configure
 
     configure(level="warning")
     counts = [int(n) for n in args.servers.split(",")]

@@ -62,8 +62,8 @@ def write_config(family: str, flavor: str, out: Path, seq_len: int) -> Path:
 def train_step(family: str, flavor: str, out: Path, seq_len: int, samples: int) -> dict:
     """One trainer step and one weight push of ``family``/``flavor`` through i3core's Trainer."""
     from i3core.config import load_config
-    from i3core.packing import Sample, pack
-    from i3core.trainer import Trainer
+    from i3core.loop.packing import Sample, pack
+    from i3core.loop.trainer import Trainer
 
     config, _ = load_config(write_config(family, flavor, out, seq_len))
     trainer = Trainer(config)

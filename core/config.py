@@ -415,3 +415,27 @@ def json_schema(plugins: Plugins) -> dict[str, Any]:
 
 def _identifier(text: str) -> str:
     return re.sub(r"\W", "_", text)
+
+
+TRAINING_SECTIONS = ("model", "inference", "env")
+"""Sections the training loop needs; the others have defaults."""
+DEFAULT_SECTIONS = {
+    "loss": "icepop",
+    "optimizer": "adamw",
+    "scheduler": "async",
+    "weight_sync": "filesystem",
+    "metrics": "jsonl",
+}
+"""Components a training run uses when their section is absent."""
+
+
+def with_defaults(config: RunConfig, plugins: Plugins) -> RunConfig:
+    """Fill absent sections of a training run with :data:`DEFAULT_SECTIONS`."""
+    if any(config.get(s) is None for s in TRAINING_SECTIONS):
+        return config
+    data = config.to_dict()
+    for section, name in DEFAULT_SECTIONS.items():
+        data.setdefault(section, {"use": name})
+    resolved = validate(data, plugins)
+    resolved.source = config.source
+    return resolved

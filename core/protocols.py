@@ -75,7 +75,7 @@ class WeightSync(Protocol):
     """Moves each policy version from the trainer to the servers; ``root`` is the run's ``broadcasts/``."""
 
     def publish(self, root: Path, weights) -> None:
-        """Publish a :class:`~i3core.trainer.PublishedWeights`; every trainer rank calls it."""
+        """Publish a :class:`~i3core.loop.trainer.PublishedWeights`; every trainer rank calls it."""
 
     def is_ready(self, root: Path, version: int) -> bool:
         """Whether ``version`` has reached the servers' side (the orchestrator then tells them to load it)."""

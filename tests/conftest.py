@@ -115,9 +115,9 @@ def finish_run(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 6
 
 
 def trainer_command(config_path: Path, nproc: int, *args: str) -> list[str]:
-    """``torchrun ... -m i3core.trainer CONFIG ARGS``: the trainer role as ``i3core run`` starts it."""
+    """``torchrun ... -m i3core.loop.trainer CONFIG ARGS``: the trainer role as ``i3core run`` starts it."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "i3core.trainer", str(config_path), *args]
+            "-m", "i3core.loop.trainer", str(config_path), *args]
 
 
 def torchrun_trainer(config_path: Path, nproc: int, *args: str, timeout: float = 300) -> None:

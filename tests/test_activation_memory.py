@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from i3core.perf import SavedActivations, matmul_peak_flops
+from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.testing import make_component
-from i3core.trainer import token_logprobs
+from i3core.loop.trainer import token_logprobs
 
 SMALL = {"hidden_size": 64, "num_layers": 3, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
          "experts_per_token": 2, "moe_intermediate_size": 32}
@@ -49,7 +49,7 @@ def test_the_memory_levers_are_bit_identical_to_keeping_activations(mode):
 
 def test_the_trainer_turns_checkpointing_on(builtins, tmp_path):
     from i3core.config import validate
-    from i3core.trainer import Trainer
+    from i3core.loop.trainer import Trainer
 
     config = validate({"run": {"output_dir": str(tmp_path)}, "model": {"use": "tiny-moe", **SMALL},
                        "env": {"use": "reverse-text"}, "weight_sync": {"use": "filesystem"},

@@ -79,7 +79,7 @@ class Poison:
 @pytest.mark.slow
 def test_nonfinite_rewards_and_logprobs_are_masked_counted_and_never_trained_on(tmp_path):
     """The real stack (torchrun trainer, two builtin servers, the orchestrator in this process)."""
-    from i3core import run
+    from i3core.loop import run
     from i3core.config import load_config
     from i3core.testing import plugin_manager
 
@@ -102,7 +102,7 @@ def test_nonfinite_rewards_and_logprobs_are_masked_counted_and_never_trained_on(
 
 def test_untrainable_rollouts_are_named():
     """What the orchestrator masks before packing, by reason: no model token, a non-finite reward or logprob."""
-    from i3core.orchestrator import NO_MODEL_TOKENS, NONFINITE_LOGPROB, NONFINITE_REWARD, _untrainable
+    from i3core.loop.orchestrator import NO_MODEL_TOKENS, NONFINITE_LOGPROB, NONFINITE_REWARD, _untrainable
     from i3core.types import Example, Rollout
 
     def rollout(mask, logprobs=None, reward=1.0):

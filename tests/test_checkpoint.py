@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from i3core import checkpoint
-from i3core.checkpoint import OrchestratorState
+from i3core.loop import checkpoint
+from i3core.loop.checkpoint import OrchestratorState
 
 from .conftest import assert_ledger, killed_on_failure, read_metrics, trainer_command, torchrun_trainer, wait_for_step
 from .test_end_to_end import start_run
@@ -131,7 +131,7 @@ def trainer_worker_pids(out):
     ranks = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if "i3core.trainer" in cmdline and str(out / "config.resolved.json") in cmdline \
+        if "i3core.loop.trainer" in cmdline and str(out / "config.resolved.json") in cmdline \
                 and "torch.distributed.run" not in cmdline:
             ranks.append(proc.pid)
     return ranks
@@ -261,7 +261,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint_resumes
 
 def test_a_resumed_stream_draws_the_untrained_prompts_again_first_and_keeps_the_ones_not_yet_drawn(tmp_path):
     from i3core.config import validate
-    from i3core.orchestrator import Orchestrator
+    from i3core.loop.orchestrator import Orchestrator
     from i3core.testing import make_component, plugin_manager
 
     plugins = plugin_manager(installed=False)
@@ -284,8 +284,8 @@ def test_a_resumed_stream_draws_the_untrained_prompts_again_first_and_keeps_the_
 def test_resume_rebuilds_the_rows_of_steps_the_checkpoint_holds_but_metrics_jsonl_lacks(tmp_path):
     """The trainer checkpointed step 3, then the run died (or the disk filled) before the orchestrator wrote
     row 3: the row is rebuilt from the step's saved orchestrator and trainer metrics."""
-    from i3core.run import _restore_missing_rows
-    from i3core.trainer import RunPaths
+    from i3core.loop.run import _restore_missing_rows
+    from i3core.loop.paths import RunPaths
 
     paths = RunPaths(tmp_path)
     paths.make()
@@ -310,7 +310,7 @@ def test_a_launcher_that_outlives_its_ranks_is_stopped_and_the_trainer_failure_r
     import asyncio
 
     from i3core.errors import I3Error
-    from i3core.run import watch_trainer
+    from i3core.loop.run import watch_trainer
 
     (tmp_path / "logs").mkdir()
     launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"

@@ -16,7 +16,7 @@ def test_help_on_every_command():
 def test_every_flag_has_help_text():
     import argparse
 
-    from i3core.cli import build_parser
+    from i3core.cli.main import build_parser
 
     def parsers(name, parser):
         yield name, parser

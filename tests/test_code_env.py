@@ -12,7 +12,7 @@ from i3core.errors import I3Error
 from i3core.plugins.envs.code import HARNESS, MARK, extract_program, parse_results
 from i3core.plugins.envs.code_problems import PROBLEMS
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
-from i3core.sandbox_pool import SandboxPool
+from i3core.sandbox.pool import SandboxPool
 from i3core.testing import ScriptedClient, make_component
 from tests.sandbox_backends import backend_for
 

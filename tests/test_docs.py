@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from i3core import hookdoc, hookspecs
+from i3core.cli import hookdoc
+from i3core import hookspecs
 
 from .conftest import ROOT
 
@@ -18,7 +19,7 @@ def test_every_spec_is_listed_by_the_renderer():
 
 def test_plugin_hooks_doc_is_current():
     assert (ROOT / "docs" / "plugin_hooks.md").read_text() == hookdoc.render(), (
-        "docs/plugin_hooks.md is stale: run python -m i3core.hookdoc > docs/plugin_hooks.md"
+        "docs/plugin_hooks.md is stale: run python -m i3core.cli.hookdoc > docs/plugin_hooks.md"
     )
 
 

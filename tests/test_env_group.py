@@ -8,8 +8,8 @@ import pytest
 
 from i3core.config import validate
 from i3core.errors import ConfigError
-from i3core.orchestrator import _batch_metrics
-from i3core.packing import assign_advantages, pack, sample_from_rollout
+from i3core.loop.orchestrator import _batch_metrics
+from i3core.loop.packing import assign_advantages, pack, sample_from_rollout
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.testing import ScriptedClient, make_component
 from i3core.types import Example, Rollout
@@ -157,7 +157,7 @@ def test_batch_metrics_are_split_per_task_and_exclude_env_token_versions():
 def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(tmp_path, builtins):
     from types import SimpleNamespace
 
-    from i3core.orchestrator import OpenGroup, Orchestrator
+    from i3core.loop.orchestrator import OpenGroup, Orchestrator
 
     def rank(completions):
         return [float(len(c)) for c in completions]
@@ -196,7 +196,7 @@ def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(
 def test_a_run_refuses_rollouts_longer_than_the_servers_or_the_trainer_hold(builtins):
     from i3core.config import validate
     from i3core.errors import I3Error
-    from i3core.run import _check_rollout_length
+    from i3core.loop.run import _check_rollout_length
 
     def check(env_options, max_len, seq_len):
         config = validate({"env": env_options, "inference": {"use": "builtin", "max_len": max_len},
@@ -214,7 +214,7 @@ def test_a_run_refuses_rollouts_longer_than_the_servers_or_the_trainer_hold(buil
 
 def test_turn_returns_follow_a_reshaped_reward():
     """An i3_on_group_scored plugin changes ``reward`` only: the difference counts on the last turn."""
-    from i3core.packing import turn_returns
+    from i3core.loop.packing import turn_returns
 
     rollout = turn_rollout([0.5, 0.5], [0, 1])
     assert turn_returns(rollout) == pytest.approx([1.0, 0.5])

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from i3core.nsfork import INIT
+from i3core.sandbox.nsfork import INIT
 
 from tests.sandbox_backends import running
 
@@ -124,7 +124,7 @@ def kill_mid_exec(run: subprocess.Popen, victim) -> psutil.Process:
 
 
 def fork_server(harness: psutil.Process, init: psutil.Process) -> psutil.Process:
-    """The local backend's fork server (:mod:`i3core.nsfork`): the parent of every command it runs."""
+    """The local backend's fork server (:mod:`i3core.sandbox.nsfork`): the parent of every command it runs."""
     server = harness.parent()
     assert server.cmdline()[2].endswith("nsfork.py"), server.cmdline()
     return server

@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict
 
 from i3core import hookimpl
 from i3core.config import validate
-from i3core.events import end_step, group_kept
+from i3core.loop.events import end_step, group_kept
 from i3core.registry import KINDS
-from i3core.run import execute
+from i3core.loop.run import execute
 from i3core.testing import HookRecorder, make_component, plugin_manager
 from i3core.types import Example, Group, Rollout, TrainBatch
 

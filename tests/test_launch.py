@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from i3core.cli import build_parser
+from i3core.cli.main import build_parser
 
 from .conftest import ROOT, run_cli
 
@@ -41,7 +41,7 @@ def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path):
     headers = re.findall(r"^#SBATCH (.*)$", text, re.M)
     assert headers.count("hetjob") == 2 and headers.count("--partition=h200") == 2
     assert "--nodes=2" in headers and "--nodes=3" in headers and "--gpus-per-node=4" in headers
-    assert "torchrun --nnodes=2 --nproc-per-node=4" in text and "-m i3core.trainer" in text
+    assert "torchrun --nnodes=2 --nproc-per-node=4" in text and "-m i3core.loop.trainer" in text
     assert f'CONFIG="{QUICKSTART}"' in text and f"#SBATCH --chdir={tmp_path}" in text
     assert 'i3core inference "$CONFIG" --index "$i" --port 8000 --host 0.0.0.0' in text
     assert 'i3core orchestrator "$CONFIG" --servers "${SERVERS[@]}"' in text
@@ -68,7 +68,7 @@ def test_k8s_manifests_render_parse_and_deserialise(tmp_path):
     assert trainer["completions"] == 2 and trainer["completionMode"] == "Indexed"
     container = trainer["template"]["spec"]["containers"][0]
     assert container["image"] == "reg/i3core:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert container["command"] == ["torchrun"] and container["args"][-3:] == ["-m", "i3core.trainer",
+    assert container["command"] == ["torchrun"] and container["args"][-3:] == ["-m", "i3core.loop.trainer",
                                                                                "/config/plugins.json"]
     assert by_name[("StatefulSet", "quickstart-inference")]["spec"]["replicas"] == 2  # [inference] servers
     orchestrator = by_name[("Job", "quickstart-orchestrator")]["spec"]["template"]["spec"]["containers"][0]

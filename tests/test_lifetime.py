@@ -30,7 +30,7 @@ def test_sigkill_of_the_run_stops_its_trainer_and_servers(tmp_path):
             time.sleep(0.2)
         children = psutil.Process(run.pid).children(recursive=True)
         names = [" ".join(c.cmdline()[1:4]) for c in children]
-        assert any("i3core.trainer" in " ".join(c.cmdline()) for c in children), names
+        assert any("i3core.loop.trainer" in " ".join(c.cmdline()) for c in children), names
         assert sum("inference.server" in " ".join(c.cmdline()) for c in children) == 2, names
         run.send_signal(signal.SIGKILL)
         run.wait()

@@ -163,7 +163,7 @@ def test_block_builtins_from_config(tmp_path):
 
 
 def test_trace_logs_every_hook_call(capsys):
-    from i3core import log
+    from i3core.cli import log
 
     log.configure(level="info")
     plugins = plugin_manager(installed=False)
@@ -178,7 +178,7 @@ def test_trace_logs_every_hook_call(capsys):
 
 
 def test_trace_env_var_switches_tracing_on(monkeypatch, capsys):
-    from i3core import log
+    from i3core.cli import log
 
     log.configure(level="info")
     monkeypatch.setenv("I3CORE_TRACE", "1")

@@ -9,7 +9,7 @@ import time
 import matplotlib.image
 import pytest
 
-from i3core.plot import VIEWS
+from i3core.loop.plot import VIEWS
 from i3core.testing import make_component
 
 from .conftest import quickstart_run, run_cli
@@ -124,7 +124,7 @@ def test_wandb_sink_offline_writes_a_run_under_the_output_dir(tmp_path):
 def test_a_sink_without_its_extra_is_one_clear_line(tmp_path, sink):
     config = tmp_path / "p.toml"
     config.write_text(f'[metrics]\nuse = "{sink}"\n')
-    block = f"import sys; sys.modules[{sink!r}] = None; from i3core.cli import main; sys.exit(main(sys.argv[1:]))"
+    block = f"import sys; sys.modules[{sink!r}] = None; from i3core.cli.main import main; sys.exit(main(sys.argv[1:]))"
     import subprocess
 
     result = subprocess.run([sys.executable, "-c", block, "check", str(config)], capture_output=True, text=True,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from i3core.errors import I3Error
-from i3core.packing import Sample, group_advantages, pack
+from i3core.loop.packing import Sample, group_advantages, pack
 
 
 def sample(n_prompt, n_completion, advantage=1.0, start=1):

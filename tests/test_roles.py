@@ -36,7 +36,7 @@ def test_trainer_inference_and_orchestrator_run_as_separate_processes(tmp_path):
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("trainer", "inference", "orchestrator")}
     commands = {
         "trainer": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                    "-m", "i3core.trainer", str(config)],
+                    "-m", "i3core.loop.trainer", str(config)],
         "inference": [sys.executable, "-m", "i3core.cli", "inference", str(config), "--index", "0",
                       "--port", str(port)],
         "orchestrator": [sys.executable, "-m", "i3core.cli", "orchestrator", str(config),

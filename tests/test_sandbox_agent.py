@@ -24,8 +24,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from i3core.nsexec import cgroup_parents
-from i3core.sandbox import AGENT_TOKEN_ENV, AGENT_UID
+from i3core.sandbox.nsexec import cgroup_parents
+from i3core.sandbox.base import AGENT_TOKEN_ENV, AGENT_UID
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 

@@ -34,8 +34,8 @@ from i3core.plugins.sandboxes.k8s import (
     dns_name,
     pod_manifest,
 )
-from i3core.sandbox import AGENT_LIMITS, AGENT_TOKEN_ENV
-from i3core.sandbox_pool import SANDBOX_FAILED, SandboxPool
+from i3core.sandbox.base import AGENT_LIMITS, AGENT_TOKEN_ENV
+from i3core.sandbox.pool import SANDBOX_FAILED, SandboxPool
 from i3core.testing import make_component
 
 from tests.sandbox_backends import all_gone, sleep_in_flight
@@ -395,7 +395,7 @@ def test_manifests_command_errors_are_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     assert f"${TOKEN_ENV}" in one_line_error(run_cli("sandbox", "manifests", str(config), env=env), 1)
     # the k8s extra missing (kubernetes_asyncio unimportable) is named with its install command
-    blocked = ("import sys; sys.modules['kubernetes_asyncio'] = None; from i3core.cli import main; "
+    blocked = ("import sys; sys.modules['kubernetes_asyncio'] = None; from i3core.cli.main import main; "
                f"sys.exit(main(['sandbox', 'manifests', {str(config)!r}]))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert "pip install 'i3core[k8s]'" in one_line_error(result, 1)

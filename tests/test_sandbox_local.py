@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from i3core.errors import SandboxError, SandboxFileError
-from i3core.sandbox import as_bytes, read_beneath, write_beneath
+from i3core.sandbox.base import as_bytes, read_beneath, write_beneath
 from i3core.testing import make_component
 from tests.sandbox_backends import all_gone, namespace_members, running, sleep_in_flight
 

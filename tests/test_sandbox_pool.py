@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from i3core.errors import RolloutMasked, SandboxError
-from i3core.sandbox_pool import SANDBOX_FAILED, SandboxPool
+from i3core.sandbox.pool import SANDBOX_FAILED, SandboxPool
 from tests.sandbox_backends import backend_for
 
 pytestmark = pytest.mark.sandbox

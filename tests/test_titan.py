@@ -55,7 +55,7 @@ def write_config(tmp_path, model: str) -> str:
 def cli(*args: str, block_titan: bool = False) -> subprocess.CompletedProcess:
     """``i3core ARGS`` in a subprocess of this interpreter; ``block_titan`` hides torchtitan as if not installed."""
     prelude = "import sys; sys.modules['torchtitan'] = None; " if block_titan else "import sys; "
-    code = prelude + "from i3core.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = prelude + "from i3core.cli.main import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
 
 
@@ -337,7 +337,7 @@ def trainer_run(tmp_path, ranks: int) -> tuple[dict, dict]:
     (its metrics, the HF tensors it published as version 1)."""
     from safetensors.torch import load_file
 
-    from i3core.packing import Sample, pack
+    from i3core.loop.packing import Sample, pack
 
     out = tmp_path / f"ranks{ranks}"
     (out / "batches").mkdir(parents=True)

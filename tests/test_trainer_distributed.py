@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from i3core.config import validate
-from i3core.packing import Sample, pack
+from i3core.loop.packing import Sample, pack
 from i3core.testing import plugin_manager
 
 from .conftest import torchrun_trainer

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_titan.py: i3core's trainer (``i3core.trainer.main``) on the torchtitan model,
+"""Run under torchrun by tests/test_titan.py: i3core's trainer (``i3core.loop.trainer.main``) on the torchtitan model,
 on CPU, with four stand-ins that exist only here, each for a GPU-only piece of torchtitan 0.3.0:
 
 - ``train_device`` gives the CPU instead of refusing (the model component refuses CPU on purpose);
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import create_mask
 from torchtitan.models.common.attention import FlexAttention
 
-from i3core import trainer
+from i3core.loop import trainer
 from i3core.plugins.models import titan
 
 

@@ -42,7 +42,7 @@ class SandboxEnv(StatefulToolEnv):
             self.add_tool(self.shell, hidden=("sandbox_id",))
 
     def bind_sandboxes(self, pool) -> None:
-        """Take the run's :class:`~i3core.sandbox_pool.SandboxPool` (the run calls it before the first rollout)."""
+        """Take the run's :class:`~i3core.sandbox.pool.SandboxPool` (the run calls it before the first rollout)."""
         self._pool = pool
 
     async def setup(self, state: dict) -> None:

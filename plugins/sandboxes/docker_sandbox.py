@@ -34,7 +34,7 @@ Covered:
   work directory, reached through ``/proc/<init pid>/root`` and held open as a
   directory fd from creation on. Each path component is opened with
   ``O_NOFOLLOW`` relative to the previous one and a write renames a fresh
-  file over the target (:func:`i3core.sandbox.write_beneath`), so a symlink
+  file over the target (:func:`i3core.sandbox.base.write_beneath`), so a symlink
   anywhere on the way is refused and one the sandbox swaps in while we walk
   is refused too: the walk never resolves a name twice. The container's
   processes cannot race it into following a link.
@@ -83,7 +83,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError
-from i3core.sandbox import (
+from i3core.sandbox.base import (
     READ_CHUNK, SandboxBase, SandboxConfig, argv, as_bytes, decode, empty_dir_fd, open_dir_beneath, read_beneath,
     relative_path, write_beneath,
 )  # fmt: skip

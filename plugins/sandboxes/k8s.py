@@ -5,7 +5,7 @@ The INTELLECT-3 layout (Prime Sandboxes), without a home-made control plane:
 - each sandbox is a Pod with two containers, the *target* (the image the
   model's code runs in, holding only a sleeper) and the *agent* sidecar
   (``i3core sandbox-agent``), which runs each command inside the target's
-  namespaces (``setns`` through :mod:`i3core.nsexec`, no ``nsenter``
+  namespaces (``setns`` through :mod:`i3core.sandbox.nsexec`, no ``nsenter``
   binary; ``shareProcessNamespace: true``). No
   ``kubectl exec``: no API server, no websocket upgrade per command;
 - a headless Service (``clusterIP: None``) gives each Pod a DNS A record,
@@ -67,7 +67,7 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
-from i3core.sandbox import (
+from i3core.sandbox.base import (
     AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, as_bytes, relative_path,
 )  # fmt: skip
 from i3core.types import ExecResult

@@ -59,10 +59,10 @@ from pathlib import Path, PurePosixPath
 import structlog
 from pydantic import Field
 
-from i3core import nsexec
+from i3core.sandbox import nsexec
 from i3core.errors import SandboxError
-from i3core.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox import SandboxBase, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
+from i3core.sandbox.base import SandboxBase, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.local")
@@ -155,7 +155,7 @@ class LocalSandbox(SandboxBase):
 
 
 class LocalBackend:
-    """Makes :class:`LocalSandbox` es through one fork server (:mod:`i3core.nsfork`)."""
+    """Makes :class:`LocalSandbox` es through one fork server (:mod:`i3core.sandbox.nsfork`)."""
 
     class Config(SandboxConfig):
         root_dir: str = Field("/var/tmp/i3core-sandboxes", description="Host directory under which each sandbox's "

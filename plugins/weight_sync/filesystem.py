@@ -127,7 +127,7 @@ class FilesystemSync:
         return None
 
     def publish(self, root: Path, weights) -> Path | None:
-        """Write ``weights`` (a :class:`~i3core.trainer.PublishedWeights`) as its version; every trainer rank calls it."""
+        """Write ``weights`` (a :class:`~i3core.loop.trainer.PublishedWeights`) as its version; every trainer rank calls it."""
         model = weights.gather()
         if model is None:  # not rank 0
             return None

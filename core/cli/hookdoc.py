@@ -1,6 +1,6 @@
 """Render the hook reference (docs/plugin_hooks.md) from the hook specs' docstrings.
 
-``python -m i3core.hookdoc > docs/plugin_hooks.md``; a test asserts the file is current.
+``python -m i3core.cli.hookdoc > docs/plugin_hooks.md``; a test asserts the file is current.
 """
 
 import inspect
@@ -10,7 +10,7 @@ from i3core import hookspecs
 HEADER = """\
 # Plugin hooks reference
 
-Generated from `core/hookspecs.py` by `python -m i3core.hookdoc`; do not edit by hand.
+Generated from `core/hookspecs.py` by `python -m i3core.cli.hookdoc`; do not edit by hand.
 Implement a hook with `from i3core import hookimpl` and a function of the same name
 (it may take any subset of the parameters). See writing_plugins.md for a walk-through.
 """

@@ -5,7 +5,7 @@ agent gives commands a fresh network namespace instead), its root and work
 directory, as an unprivileged uid/gid with no capabilities and no_new_privs,
 with rlimits, a clean environment (PATH, HOME=workdir, LANG; never the
 host's), stdin from /dev/null and stdout/stderr read through
-:func:`~i3core.sandbox.read_capped` (a gigabyte of output is read and dropped,
+:func:`~i3core.sandbox.base.read_capped` (a gigabyte of output is read and dropped,
 the writer never blocks). On a timeout every process of the sandbox but its
 init is killed: ``kill(-1, SIGKILL)`` as the sandbox uid inside its pid
 namespace, which reaches every process the sandbox started (they all run as
@@ -14,13 +14,13 @@ killed from outside while a command runs (an init takes its whole pid
 namespace, so the command, down with it) leaves that command without a
 result: the exec raises SandboxError, never the command's exit status.
 
-The forking is done by a small single-threaded server, :mod:`i3core.nsfork`
+The forking is done by a small single-threaded server, :mod:`i3core.sandbox.nsfork`
 (one per :class:`NsExec`), so that this asyncio process, which may hold
 threads and a large heap, never forks. A trivial command costs one request
 datagram, one fork of that small server and one execve.
 
 Files go beneath the work directory with
-:func:`~i3core.sandbox.read_beneath`/:func:`~i3core.sandbox.write_beneath`
+:func:`~i3core.sandbox.base.read_beneath`/:func:`~i3core.sandbox.base.write_beneath`
 (no symlink ever followed), through a host path of it (the local backend's
 backing directory, or for the agent ``/proc/self/fd/N`` of the work
 directory it opened once at startup).
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from i3core.errors import SandboxError
-from i3core.sandbox import SandboxConfig, as_bytes, decode, read_beneath, read_capped, relative_path, write_beneath
+from i3core.sandbox.base import SandboxConfig, as_bytes, decode, read_beneath, read_capped, relative_path, write_beneath
 from i3core.types import ExecResult
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -245,7 +245,7 @@ def _raise_errors(lines: list[tuple[str, str]], what: str) -> None:
 
 
 class NsExec:
-    """A client of one :mod:`i3core.nsfork` server; every method but :meth:`start`/:meth:`close` is usable from
+    """A client of one :mod:`i3core.sandbox.nsfork` server; every method but :meth:`start`/:meth:`close` is usable from
     any event loop (nothing here is bound to one)."""
 
     def __init__(self, own_netns: bool = False):
@@ -367,7 +367,7 @@ class NsExec:
         raise SandboxError("probing the host: the fork server did not answer")
 
     async def create_init(self, root: Path, work: Path, workdir: str, uid_base: int, tmp_mb: int) -> tuple[int, int]:
-        """A new sandbox init (see :mod:`i3core.nsfork`) with its root built on ``root`` (an empty directory) and
+        """A new sandbox init (see :mod:`i3core.sandbox.nsfork`) with its root built on ``root`` (an empty directory) and
         ``work`` as its work directory; :return: (its host pid, the uid its commands run as)."""
         request = {"op": "create", "root": str(root), "work": str(work), "workdir": workdir, "uid_base": uid_base,
                    "tmp_mb": tmp_mb}  # fmt: skip

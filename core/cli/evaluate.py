@@ -133,7 +133,7 @@ def build_env(target: str, options: list[str], model_name: str):
 
 def run_eval(args) -> tuple[EvalResult, str]:
     """What ``i3core env eval`` does with its parsed arguments: (the result, the env's name)."""
-    from i3core.run import stop_token_ids
+    from i3core.loop.run import stop_token_ids
     from i3core.testing import make_component
 
     env, model, plugins, name = build_env(args.env, args.options, args.model)
@@ -157,7 +157,7 @@ async def _evaluate_with(env, client, sandbox, args) -> EvalResult:
     pool = None
     try:
         if sandbox is not None:
-            from i3core.sandbox_pool import SandboxPool
+            from i3core.sandbox.pool import SandboxPool
 
             bind = getattr(env, "bind_sandboxes", None)
             if bind is None:

@@ -43,7 +43,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_agent_args(parser: argparse.ArgumentParser) -> None:
-    from i3core.sandbox import AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxConfig
+    from i3core.sandbox.base import AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxConfig
 
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--target-pid", type=int, help="host pid of the process whose namespaces commands join")
@@ -213,44 +213,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from i3core import log, run
-    from i3core.config import load_config
+    from i3core.cli import log
+    from i3core.config import load_config, with_defaults
+    from i3core.loop import run
 
     config, plugins = load_config(args.config, args.overrides)
-    config = run.with_defaults(config, plugins)  # a contradiction with a default section: exit 2, nothing written
+    config = with_defaults(config, plugins)  # a contradiction with a default section: exit 2, nothing written
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "run.jsonl")
     return run.execute(config, plugins, resume=args.resume)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    from i3core import trainer
+    from i3core.loop import trainer
 
     return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
 
 
 def cmd_sandbox_agent(args: argparse.Namespace) -> int:
-    from i3core import sandbox_agent
+    from i3core.sandbox import agent as sandbox_agent
 
     return sandbox_agent.main(args)
 
 
 def _role_config(args: argparse.Namespace):
     from i3core.config import load_config
-    from i3core.run import with_defaults
+    from i3core.config import with_defaults
 
     config, plugins = load_config(args.config, args.overrides)
     return with_defaults(config, plugins), plugins
 
 
 def cmd_inference(args: argparse.Namespace) -> int:
-    from i3core import roles
+    from i3core.loop import roles
 
     config, _ = _role_config(args)
     return roles.serve(config, args.index, args.port, args.host)
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    from i3core import log, roles
+    from i3core.cli import log
+    from i3core.loop import roles
 
     config, plugins = _role_config(args)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
@@ -259,7 +261,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from i3core.config import load_config
-    from i3core.run import with_defaults
+    from i3core.config import with_defaults
 
     config, plugins = load_config(args.config, args.overrides)
     config = with_defaults(config, plugins)  # checked as `i3core run` would run it
@@ -334,7 +336,7 @@ def cmd_sandbox_manifests(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from i3core.plot import plot_run
+    from i3core.loop.plot import plot_run
 
     written = plot_run(args.run_dir, args.out)
     print("\n".join(str(path) for path in written))
@@ -342,7 +344,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from i3core.launch import Sizes, launch_files, write
+    from i3core.cli.launch import Sizes, launch_files, write
 
     if not args.dry_run:
         raise UsageError("i3core launch only renders for now: add --dry-run, then submit the files with "
@@ -357,7 +359,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_new_plugin(args: argparse.Namespace) -> int:
-    from i3core.scaffold import new_plugin
+    from i3core.cli.scaffold import new_plugin
 
     root = new_plugin(args.name, args.dir, kind=args.kind)
     print(f"created {root}: pip install -e '{root}[test]' && pytest {root}")
@@ -365,7 +367,7 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
 
 
 def cmd_env_eval(args: argparse.Namespace) -> int:
-    from i3core.evaluate import run_eval
+    from i3core.cli.evaluate import run_eval
 
     result, env_name = run_eval(args)
     summary = result.summary()
@@ -400,7 +402,7 @@ def _completion_preview(rollout, limit: int = 120) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from i3core import log
+    from i3core.cli import log
 
     log.configure(level=args.log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, to stderr
@@ -431,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _full_disk_line(args: argparse.Namespace, exc: BaseException) -> str:
     """What a write on a full disk says: where, and the checkpoint to resume from when it is a run's."""
     from i3core.config import load_config
-    from i3core.trainer import full_disk_message
+    from i3core.loop.checkpoint import full_disk_message
 
     try:
         config, _ = load_config(args.config, args.overrides)

@@ -9,7 +9,7 @@ slot is refilled at once (the ``async`` scheduler) or only for the next batch
 back, ``i3_on_group_scored`` may reshape or drop it. A batch is cut from the
 first ``groups_per_batch`` finished groups once the scheduler allows, stale
 groups are dropped whole, advantages are ``R - mean(R_group)`` (or per turn,
-for rollouts with turn-level credit, see :mod:`i3core.packing`), and the
+for rollouts with turn-level credit, see :mod:`i3core.loop.packing`), and the
 packed batch is written for the trainer.
 
 What the orchestrator asks of an env beyond the :class:`~i3core.protocols.Environment`
@@ -44,13 +44,13 @@ from typing import Any
 
 import structlog
 
-from i3core.checkpoint import OrchestratorState
+from i3core.loop.checkpoint import OrchestratorState
 from i3core.errors import I3Error, RolloutMasked, ServerError
-from i3core.events import end_step, group_kept
+from i3core.loop.events import end_step, group_kept
 from i3core.files import atomic_torch_save
-from i3core.packing import assign_advantages, pack, sample_from_rollout
-from i3core.sandbox_pool import SandboxPool, check_env_has_sandboxes
-from i3core.trainer import RunPaths
+from i3core.loop.packing import assign_advantages, pack, sample_from_rollout
+from i3core.sandbox.pool import SandboxPool, check_env_has_sandboxes
+from i3core.loop.paths import RunPaths
 from i3core.types import Example, Group, Rollout
 
 log = structlog.get_logger("i3core.orchestrator")
@@ -160,7 +160,7 @@ class Orchestrator:
     all_down_timeout_s: float = ALL_DOWN_TIMEOUT_S
     ledger: Ledger = field(default_factory=Ledger)
     resume: OrchestratorState | None = None
-    """The state saved with the checkpoint a resumed run continues from (:mod:`i3core.checkpoint`)."""
+    """The state saved with the checkpoint a resumed run continues from (:mod:`i3core.loop.checkpoint`)."""
 
     def __post_init__(self):
         self.paths = RunPaths(self.config.run.out)

@@ -1,4 +1,4 @@
-"""The fork server behind :mod:`i3core.nsexec`: forks into other processes' namespaces. Standard library only.
+"""The fork server behind :mod:`i3core.sandbox.nsexec`: forks into other processes' namespaces. Standard library only.
 
 It runs as its own small, single-threaded process (``python -I nsfork.py FD``)
 so that forking is safe and cheap: the asyncio process that uses it
@@ -370,7 +370,7 @@ def restore_pid_namespace(own_pidns: int) -> None:
     try:
         setns(own_pidns, CLONE_NEWPID)
     except OSError as exc:
-        print(f"i3core.nsfork: cannot return to our pid namespace: {exc}", file=sys.stderr)
+        print(f"i3core.sandbox.nsfork: cannot return to our pid namespace: {exc}", file=sys.stderr)
         os._exit(1)
 
 

@@ -24,26 +24,17 @@ from typing import Any
 
 import structlog
 
-from i3core import checkpoint
-from i3core.checkpoint import OrchestratorState
-from i3core.config import RunConfig, validate
+from i3core.loop import checkpoint
+from i3core.loop.checkpoint import OrchestratorState
+from i3core.config import TRAINING_SECTIONS, RunConfig, with_defaults
 from i3core.errors import I3Error
 from i3core.manager import Plugins
 from i3core.lifetime import mark_run
-from i3core.trainer import RunPaths, full_disk_message
+from i3core.loop.checkpoint import full_disk_message
+from i3core.loop.paths import RunPaths
 
 log = structlog.get_logger("i3core.run")
 
-TRAINING_SECTIONS = ("model", "inference", "env")
-"""Sections the training loop needs; the others have defaults."""
-DEFAULT_SECTIONS = {
-    "loss": "icepop",
-    "optimizer": "adamw",
-    "scheduler": "async",
-    "weight_sync": "filesystem",
-    "metrics": "jsonl",
-}
-"""Components a training run uses when their section is absent."""
 RECORD_SINK = "jsonl"
 """The metric sink every training run writes (metrics.jsonl: what plots, tests and resume read); ``[metrics]``
 names it or one more sink."""
@@ -79,18 +70,6 @@ class Run:
                     log.warning("close failed", component=type(obj).__name__, error=f"{type(exc).__name__}: {exc}")
 
 
-def with_defaults(config: RunConfig, plugins: Plugins) -> RunConfig:
-    """Fill absent sections of a training run with :data:`DEFAULT_SECTIONS`."""
-    if any(config.get(s) is None for s in TRAINING_SECTIONS):
-        return config
-    data = config.to_dict()
-    for section, name in DEFAULT_SECTIONS.items():
-        data.setdefault(section, {"use": name})
-    resolved = validate(data, plugins)
-    resolved.source = config.source
-    return resolved
-
-
 def build(config: RunConfig, plugins: Plugins) -> Run:
     """Build every configured component (``cls(config)``) and write the resolved config."""
     output_dir = config.run.out
@@ -114,7 +93,7 @@ def build(config: RunConfig, plugins: Plugins) -> Run:
 def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
     """Run to the end; the lifecycle hooks fire even when the run fails or is interrupted.
 
-    :param resume: continue the run in ``output_dir`` from its newest complete checkpoint (:mod:`i3core.checkpoint`).
+    :param resume: continue the run in ``output_dir`` from its newest complete checkpoint (:mod:`i3core.loop.checkpoint`).
     :return: the process exit code.
     """
     config = with_defaults(config, plugins)
@@ -200,7 +179,7 @@ def _restore_missing_rows(paths: RunPaths, metrics: Path, step: int) -> None:
     between the trainer's checkpoint and the orchestrator's row) are rebuilt from what both roles saved for
     that step: the batch's metrics and ledger (orchestrator/step_K.json, nothing in flight) and the trainer's
     metrics (trainer/step_K.json). A step with neither file stays missing, with a warning."""
-    from i3core.orchestrator import Ledger
+    from i3core.loop.orchestrator import Ledger
 
     present = set()
     if metrics.exists():
@@ -245,8 +224,8 @@ def _check_resumable(config: RunConfig, saved: Path) -> None:
 def train(run: Run, start: OrchestratorState | None = None) -> None:
     """Start the trainer and the inference servers, run the orchestrator, stop everything; from the checkpoint
     whose orchestrator state is ``start`` when resuming."""
-    from i3core.orchestrator import ClientSlot, Orchestrator
-    from i3core.sandbox_pool import check_env_has_sandboxes
+    from i3core.loop.orchestrator import ClientSlot, Orchestrator
+    from i3core.sandbox.pool import check_env_has_sandboxes
 
     config = run.config
     env, sandbox = run.components["env"], run.components.get("sandbox")
@@ -262,7 +241,7 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     version = 0 if start is None else start.step
     trainer = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.trainer.nproc),
-         "-m", "i3core.trainer", str(run.output_dir / "config.resolved.json"),
+         "-m", "i3core.loop.trainer", str(run.output_dir / "config.resolved.json"),
          *([] if start is None else ["--resume", str(start.step)])],
         stdout=trainer_log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -425,8 +404,8 @@ def _progress(total: int, done: int = 0):
 
 
 def _plot(out: Path) -> None:
-    """The run's plots (:mod:`i3core.plot`); a run that ended before its first step has none."""
-    from i3core.plot import plot_run
+    """The run's plots (:mod:`i3core.loop.plot`); a run that ended before its first step has none."""
+    from i3core.loop.plot import plot_run
 
     try:
         plot_run(out)

@@ -1,7 +1,7 @@
 """``i3core sandbox-agent``: one sandbox's HTTP API, served next to it (the Kubernetes sidecar).
 
 The agent runs each command inside a *target* process's namespaces and root
-(:mod:`i3core.nsexec`): in a Pod with ``shareProcessNamespace`` the target is
+(:mod:`i3core.sandbox.nsexec`): in a Pod with ``shareProcessNamespace`` the target is
 the sandbox container's only process, and commands never go through the API
 server. The API is the table in docs/sandboxes.md; every route but
 ``/health`` needs ``Authorization: Bearer <token>``, the token coming from an
@@ -39,10 +39,10 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from i3core import nsexec
+from i3core.sandbox import nsexec
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
-from i3core.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox import AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
+from i3core.sandbox.base import AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
 
 log = structlog.get_logger("i3core.sandbox_agent")
 

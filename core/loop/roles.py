@@ -4,7 +4,7 @@
 on its own (``deploy/`` has Slurm and Kubernetes templates for this), and they
 meet in the run's ``output_dir`` on a filesystem every node mounts:
 
-- trainer: ``torchrun ... -m i3core.trainer plugins.toml`` (:mod:`i3core.trainer`)
+- trainer: ``torchrun ... -m i3core.loop.trainer plugins.toml`` (:mod:`i3core.loop.trainer`)
   publishes version 0 (after its SFT warm start) and every later version under
   ``broadcasts/``, reads each step's batch from ``batches/``;
 - inference (:func:`serve`): waits for version 0, then becomes server ``index``
@@ -30,7 +30,7 @@ import structlog
 from i3core.config import RunConfig
 from i3core.errors import I3Error
 from i3core.manager import Plugins
-from i3core.trainer import RunPaths
+from i3core.loop.paths import RunPaths
 
 log = structlog.get_logger("i3core.roles")
 
@@ -80,8 +80,8 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
 
 def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
     """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop."""
-    from i3core.orchestrator import ClientSlot, Orchestrator
-    from i3core.run import _plot, build, lifecycle, stop_token_ids
+    from i3core.loop.orchestrator import ClientSlot, Orchestrator
+    from i3core.loop.run import _plot, build, lifecycle, stop_token_ids
 
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:

@@ -201,3 +201,12 @@ class OrchestratorState:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise I3Error(f"cannot read the orchestrator state {path}: {exc}") from None
+
+
+def full_disk_message(out: Path, exc: BaseException) -> str:
+    """One line for a write that failed on a full disk: what failed and the checkpoint to resume from."""
+    last = latest(out / "checkpoints")
+    kept = (f"the last complete checkpoint is step_{last}: free space, then resume with --resume" if last is not None
+            else "no checkpoint was written yet")
+    what = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+    return f"the disk under {out} is full ({what}); {kept}"

@@ -12,7 +12,7 @@ Before RL, an optional SFT warm start trains cross-entropy on the
 environment's demonstrations with the same model, packing and publishing;
 its result is published as version 0, the policy the servers start from.
 
-Run: ``torchrun --standalone --nproc-per-node 1 -m i3core.trainer plugins.toml``.
+Run: ``torchrun --standalone --nproc-per-node 1 -m i3core.loop.trainer plugins.toml``.
 """
 
 import argparse
@@ -29,55 +29,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as recompute
 
-from i3core import checkpoint
-from i3core.config import RunConfig, load_config
+from i3core.loop import checkpoint
+from i3core.config import RunConfig, load_config, with_defaults
 from i3core.errors import I3Error
 from i3core.files import atomic_write_bytes, disk_full, write_torch
 from i3core.lifetime import run_gone
-from i3core.packing import Sample, pack
-from i3core.perf import SavedActivations, matmul_peak_flops
+from i3core.loop.checkpoint import full_disk_message
+from i3core.loop.packing import Sample, pack
+from i3core.loop.paths import RunPaths
+from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
-STOP = "STOP"
-"""Written by the orchestrator under the run directory when the trainer should finish."""
 BATCH_POLL_S = 0.02
-
-
-class RunPaths:
-    """Where the roles of one run exchange files."""
-
-    def __init__(self, out: Path):
-        self.out = out
-        self.batches = out / "batches"
-        self.broadcasts = out / "broadcasts"
-        self.trainer = out / "trainer"
-        self.checkpoints = out / "checkpoints"
-        self.orchestrator = out / "orchestrator"
-
-    def batch(self, step: int) -> Path:
-        return self.batches / f"step_{step}.pt"
-
-    def trainer_metrics(self, step: int) -> Path:
-        return self.trainer / f"step_{step}.json"
-
-    def orchestrator_state(self, step: int) -> Path:
-        """The orchestrator's state when it cut the batch of ``step`` (copied into that step's checkpoint)."""
-        return self.orchestrator / f"step_{step}.json"
-
-    def stop(self) -> Path:
-        return self.out / STOP
-
-    def request_stop(self) -> None:
-        """Tell the trainer to finish. On a full disk the file may not be creatable: the trainer also stops
-        when the run's process is gone (:mod:`i3core.lifetime`)."""
-        try:
-            self.stop().touch()
-        except OSError:
-            pass
-
-    def make(self) -> None:
-        for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints, self.orchestrator):
-            path.mkdir(parents=True, exist_ok=True)
 
 
 def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0) -> torch.Tensor:
@@ -419,7 +382,7 @@ class Trainer:
         return bool(flag.item())
 
     def checkpoint(self, step: int, optimizer, schedule) -> None:
-        """``checkpoints/step_N/`` (see :mod:`i3core.checkpoint`), staged in ``.step_N.tmp`` and renamed into place;
+        """``checkpoints/step_N/`` (see :mod:`i3core.loop.checkpoint`), staged in ``.step_N.tmp`` and renamed into place;
         then checkpoints beyond the newest ``trainer.keep_checkpoints`` are deleted. A failed write (a full disk)
         removes the staging directory and leaves every complete checkpoint as it was."""
         root = self.paths.checkpoints
@@ -523,7 +486,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config = None
     try:
-        from i3core.run import with_defaults  # run imports this module
 
         config = with_defaults(*load_config(args.config, args.overrides))  # plugins.toml as `i3core run` reads it
         for section in ("model", "env", "loss", "optimizer", "weight_sync"):
@@ -555,15 +517,6 @@ def _step_arg(text: str) -> int:
     if not text.isdigit():
         raise I3Error(f"--resume takes a step number (or nothing, for the newest checkpoint), not {text!r}")
     return int(text)
-
-
-def full_disk_message(out: Path, exc: BaseException) -> str:
-    """One line for a write that failed on a full disk: what failed and the checkpoint to resume from."""
-    last = checkpoint.latest(out / "checkpoints")
-    kept = (f"the last complete checkpoint is step_{last}: free space, then resume with --resume" if last is not None
-            else "no checkpoint was written yet")
-    what = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
-    return f"the disk under {out} is full ({what}); {kept}"
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ The templates live in the source tree's ``deploy/`` (``deploy/slurm/*.sbatch.tmp
 ``deploy/k8s/*.yaml.tmpl``); ``{{name}}`` placeholders are filled from the config
 and the command-line sizes, and a placeholder without a value is an error, never
 left in the output. Every role runs a command that exists: ``torchrun -m
-i3core.trainer``, ``i3core inference``, ``i3core orchestrator``
-(:mod:`i3core.roles`). Nothing is submitted: the output goes to stdout or a folder
+i3core.loop.trainer``, ``i3core inference``, ``i3core orchestrator``
+(:mod:`i3core.loop.roles`). Nothing is submitted: the output goes to stdout or a folder
 for ``sbatch`` / ``kubectl apply -f``.
 """
 

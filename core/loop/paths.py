@@ -1,0 +1,43 @@
+"""Where the roles of one run exchange files under its output directory; nothing else (imports no i3core module)."""
+
+from pathlib import Path
+
+STOP = "STOP"
+"""Written by the orchestrator under the run directory when the trainer should finish."""
+
+
+class RunPaths:
+    """Where the roles of one run exchange files."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.batches = out / "batches"
+        self.broadcasts = out / "broadcasts"
+        self.trainer = out / "trainer"
+        self.checkpoints = out / "checkpoints"
+        self.orchestrator = out / "orchestrator"
+
+    def batch(self, step: int) -> Path:
+        return self.batches / f"step_{step}.pt"
+
+    def trainer_metrics(self, step: int) -> Path:
+        return self.trainer / f"step_{step}.json"
+
+    def orchestrator_state(self, step: int) -> Path:
+        """The orchestrator's state when it cut the batch of ``step`` (copied into that step's checkpoint)."""
+        return self.orchestrator / f"step_{step}.json"
+
+    def stop(self) -> Path:
+        return self.out / STOP
+
+    def request_stop(self) -> None:
+        """Tell the trainer to finish. On a full disk the file may not be creatable: the trainer also stops
+        when the run's process is gone (:mod:`i3core.lifetime`)."""
+        try:
+            self.stop().touch()
+        except OSError:
+            pass
+
+    def make(self) -> None:
+        for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints, self.orchestrator):
+            path.mkdir(parents=True, exist_ok=True)
