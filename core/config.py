@@ -111,6 +111,10 @@ class ComponentSpec:
     def build(self):
         return self.component.build(self.config)
 
+    def to_dict(self) -> dict[str, Any]:
+        """``{"use": name, **options}`` as plain JSON-able data (what :func:`build_component` takes back)."""
+        return {"use": self.name, **self.config.model_dump(mode="json")}
+
 
 class ComponentRef(BaseModel):
     """A component nested in another component's ``Config`` (an env group's ``[[env.members]]``).
@@ -161,7 +165,7 @@ class RunConfig:
         """The resolved config (defaults filled in), as plain JSON-able data."""
         data: dict[str, Any] = {name: getattr(self, name).model_dump(mode="json") for name in FIXED_SECTIONS}
         for section, spec in self.components.items():
-            data[section] = {"use": spec.name, **spec.config.model_dump(mode="json")}
+            data[section] = spec.to_dict()
         return data
 
 
@@ -288,6 +292,18 @@ def validate_component(
     section: str, value: dict[str, Any], plugins: Plugins, problems: list[Problem]
 ) -> ComponentSpec | None:
     return _validate_named(SECTION_KINDS[section].name, section, value, plugins, problems)
+
+
+def build_component(section: str, value: dict[str, Any], plugins: Plugins) -> Any:
+    """The component of ``section`` that ``value`` (``{"use": name, **options}``) names, built as ``cls(config)``.
+
+    :raises ConfigError: an unknown name or invalid options, every problem listed.
+    """
+    problems: list[Problem] = []
+    spec = validate_component(section, value, plugins, problems)
+    if spec is None:
+        raise ConfigError(problems)
+    return spec.build()
 
 
 def _validate_named(kind_name: str, section: str, value: dict[str, Any], plugins: Plugins,

@@ -4,7 +4,7 @@ A component is built as ``cls(config)`` from its registered class; these are
 the methods the core calls on it afterwards.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,8 +71,22 @@ class Scheduler(Protocol):
 
 
 @runtime_checkable
+class WeightReceiver(Protocol):
+    """A server's end of a weight sync that delivers versions other than as a directory (a broadcast)."""
+
+    def wait_round(self) -> int:
+        """Block until the trainer announces its next version; that version (nothing is received yet)."""
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The next version and its whole set of HF-layout tensors on the CPU, once all of it is in."""
+
+
+@runtime_checkable
 class WeightSync(Protocol):
-    """Moves each policy version from the trainer to the servers; ``root`` is the run's ``broadcasts/``."""
+    """Moves each policy version from the trainer to the servers; ``root`` is the run's ``broadcasts/``.
+
+    Versions on disk follow :mod:`i3core.weights` (a directory per version, STABLE marker, reader leases).
+    """
 
     def publish(self, root: Path, weights) -> None:
         """Publish a :class:`~i3core.loop.trainer.PublishedWeights`; every trainer rank calls it."""
@@ -84,7 +98,13 @@ class WeightSync(Protocol):
         """The directory a server loads ``version`` from, or None when the transport delivers it."""
 
     def receiver(self, root: Path) -> dict | None:
-        """What each server needs to receive weights other than from a path (JSON), or None."""
+        """What each server needs to receive weights other than from a path (JSON, with ``transport``: this
+        component's registered name), or None."""
+
+    @staticmethod
+    def connect(spec: dict, rank: int) -> WeightReceiver:
+        """In a server process: the receiving end described by ``spec`` (from :meth:`receiver`) as ``rank``
+        (1..S); servers reach it through :func:`i3core.weights.connect_receiver`, never by import."""
 
 
 @runtime_checkable
@@ -148,3 +168,97 @@ class SandboxBackend(Protocol):
 
     async def aclose(self) -> None:
         """Close every sandbox this backend made that is still open, and release the backend."""
+
+
+# -- models ------------------------------------------------------------------------------------------------------
+# Shapes: R packed rows of S tokens, H hidden size, V vocabulary; B sequences of a decode step.
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """The ``torch.nn.Module`` a :class:`Model` builds: a causal LM whose LM head stands apart.
+
+    ``forward`` stops at the final norm so the trainer can apply :meth:`logits` a chunk of tokens at a time
+    (a batch's ``[R, S, V]`` float32 logits never exist at once).
+    """
+
+    vocab_size: int
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[R, S, H]`` of packed rows ``input_ids`` ``[R, S]`` (int64).
+
+        ``position_ids`` ``[R, S]`` restart at 0 where each sample of a row starts; a token attends only to
+        earlier tokens of its own sample, so a sample's outputs do not depend on what is packed beside it.
+        """
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``[..., H]`` -> ``[..., V]``."""
+
+    def new_kv_cache(self, slots: int, max_len: int) -> Any:
+        """An empty KV cache for :meth:`forward_cached`: ``slots`` sequences of up to ``max_len`` tokens each."""
+
+    def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[B, S, H]`` of new tokens ``input_ids`` ``[B, S]`` of the sequences held in cache
+        ``slots`` ``[B]`` at ``positions`` ``[B, S]``; their keys and values are written into the cache, and
+        token ``(b, s)`` attends to entries ``0..positions[b, s]`` of its own slot. A prefill passes one
+        prompt (``B = 1``); a decode step one token of every running sequence (``S = 1``). Run under
+        ``torch.no_grad``; the outputs equal :meth:`forward`'s for the same tokens.
+        """
+
+    def state_dict_from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This module's ``state_dict`` holding the HF-layout ``tensors`` (the inverse of
+        :meth:`Model.hf_tensors`), for ``load_state_dict(..., assign=True)``; the module is untouched.
+
+        :raises ValueError: a missing, unexpected or wrongly shaped tensor.
+        """
+
+
+@runtime_checkable
+class Model(Protocol):
+    """The ``[model]`` component: what the trainer, the weight sync and the builtin server call on a model.
+
+    Trainer: :meth:`build`, :meth:`parallelize`, :meth:`train_flops`, :meth:`tokenizer` (SFT). Weight sync:
+    :meth:`hf_tensors`, :meth:`save_hf`. Builtin server: :meth:`load_hf`, :meth:`tokenizer`,
+    :meth:`render_chat`, :attr:`eos_token_id`, :attr:`end_of_turn_ids`, and the module's cached decode
+    (:class:`CausalLM`). A model served only by vLLM may leave the builtin server's part out; the builtin
+    server then refuses it with one line.
+    """
+
+    def build(self, seed: int = 0) -> CausalLM:
+        """A new model for training, initialised from ``seed`` (or from the component's own checkpoint)."""
+
+    def parallelize(self, model: CausalLM, *, world: int, checkpoint: bool, seq_len: int) -> None:
+        """Prepare ``model`` in place for ``world`` trainer ranks: FSDP2 on every decoder layer and the root when
+        ``world > 1``; activation checkpointing per layer when ``checkpoint``; ``seq_len`` is the packed row."""
+
+    def train_flops(self, model: CausalLM, position_ids: torch.Tensor, real: torch.Tensor) -> float:
+        """Model FLOPs of one training step (forward and backward) over the tokens where ``real`` ``[R, S]``
+        (bool) is set, with their ``position_ids`` ``[R, S]`` (attention's cost grows with the context)."""
+
+    def hf_tensors(self, model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` in the Hugging Face layout, layer by layer; on an FSDP2-sharded model every rank
+        iterates in step (each tensor is gathered when its turn comes)."""
+
+    def save_hf(self, model: CausalLM, path: Path) -> Path:
+        """Write ``model`` as a directory that ``AutoModelForCausalLM.from_pretrained`` and
+        ``AutoTokenizer.from_pretrained`` load (config.json, safetensors, the tokenizer and its chat template)."""
+
+    def load_hf(self, path: Path) -> CausalLM:
+        """A model holding the weights of the HF directory ``path`` (what :meth:`save_hf` wrote)."""
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, a ``tokenizers.Tokenizer``: ``encode(text).ids``, ``decode(ids,
+        skip_special_tokens=...)``, ``get_vocab_size()``."""
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text of OpenAI-style ``messages`` (``role``, ``content``) in the model's chat template,
+        with the assistant's turn opened for generation."""
+
+    @property
+    def eos_token_id(self) -> int:
+        """The end-of-sequence token: where a plain completion stops by default."""
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """The tokens that close an assistant turn of the chat template: where a chat completion stops."""

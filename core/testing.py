@@ -13,8 +13,8 @@ from typing import Any
 import importlib_metadata
 
 from i3core import PROJECT_NAME
-from i3core.config import validate_component
-from i3core.errors import ConfigError, I3Error, Problem
+from i3core.config import build_component
+from i3core.errors import I3Error
 from i3core.manager import ENTRY_POINT_GROUP, Plugins, load_plugins
 from i3core.registry import KINDS, Provider
 from i3core.types import Completion
@@ -49,11 +49,7 @@ def make_component(kind: str, name: str, *, plugins: Plugins | None = None, **op
     if kind not in KINDS:
         raise I3Error(f"unknown component kind {kind!r}; kinds: {', '.join(KINDS)}")
     plugins = plugins if plugins is not None else plugin_manager()
-    problems: list[Problem] = []
-    spec = validate_component(KINDS[kind].section, {"use": name, **options}, plugins, problems)
-    if spec is None:
-        raise ConfigError(problems)
-    return spec.build()
+    return build_component(KINDS[kind].section, {"use": name, **options}, plugins)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from i3core.errors import ServerError
 from i3core.plugins.inference.client import InferenceClient
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
-from i3core.plugins.weight_sync.filesystem import STABLE
+from i3core.weights import STABLE
 from i3core.testing import make_component
 
 from .conftest import wait_until_running

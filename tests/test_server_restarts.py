@@ -19,7 +19,8 @@ from i3core.errors import I3Error, ServerError
 from i3core.lifetime import RUN_PID_ENV
 from i3core.plugins.inference.builtin import SUPERVISE_POLL_S
 from i3core.plugins.inference.client import InferenceClient
-from i3core.plugins.weight_sync.filesystem import STABLE, FilesystemSync
+from i3core.plugins.weight_sync.filesystem import FilesystemSync
+from i3core.weights import STABLE
 from i3core.testing import make_component
 
 from .test_end_to_end import server_pids

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.simulated import SimEngine, TimingModel, draw_length
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
-from i3core.plugins.weight_sync.filesystem import STABLE
+from i3core.weights import STABLE
 from i3core.testing import make_component
 
 STOP = 5

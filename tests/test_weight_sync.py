@@ -11,7 +11,7 @@ import torch
 
 from i3core.plugins.models.tiny_moe.hf import iter_hf_tensors
 from i3core.plugins.weight_sync.broadcast import Receiver, Sender, layer_chunks
-from i3core.plugins.weight_sync.filesystem import STABLE, VersionGone, reading
+from i3core.weights import STABLE, VersionGone, reading
 from i3core.testing import make_component
 
 
@@ -53,7 +53,7 @@ def test_a_version_a_reader_holds_is_not_pruned_until_it_lets_go(builtins, tmp_p
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
             from pathlib import Path
-            from i3core.plugins.weight_sync.filesystem import reading
+            from i3core.weights import reading
             with reading(Path({str(tmp_path / 'step_0')!r})) as path:
                 print("reading", flush=True)
                 sys.stdin.readline()

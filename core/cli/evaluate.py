@@ -94,7 +94,7 @@ def local_server(plugins, model_name: str, model_dir: Path | None, max_len: int,
             model.save_hf(model.build(seed=seed), model_dir)
         try:
             try:
-                url = source.start(model_dir, Path(tmp) / "logs")[0]
+                url = source.start(model_dir, Path(tmp) / "logs", model={"use": model_name})[0]
             except I3Error as exc:
                 log = Path(tmp) / "logs" / "inference-0.log"
                 tail = log.read_text()[-1500:] if log.exists() else ""

@@ -72,7 +72,9 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
     probe = getattr(source, "check", None)  # vllm: the interpreter imports vllm and i3core
     if callable(probe):
         probe()
-    cmd = source.command(index, port, sync.location(paths.broadcasts, 0), 0, None)
+    model = config.get("model")
+    cmd = source.command(index, port, sync.location(paths.broadcasts, 0), 0, None,
+                         None if model is None else model.to_dict())
     env = source.environment(index, 0, None) or dict(os.environ)
     log.info("starting inference server", index=index, command=" ".join(cmd))
     os.execvpe(cmd[0], cmd, env)

@@ -257,7 +257,8 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         tokenizer = model.tokenizer()
         stop_ids = stop_token_ids(model, env)
         extra = {} if receiver is None else {"receiver": receiver}
-        urls = source.start(sync.location(paths.broadcasts, version), run.output_dir / "logs", version=version, **extra)
+        urls = source.start(sync.location(paths.broadcasts, version), run.output_dir / "logs", version=version,
+                            model=config.get("model").to_dict(), **extra)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     run.sinks, progress=_progress(config.run.max_steps, version),

@@ -135,11 +135,10 @@ class PublishedWeights:
 
 
 class Trainer:
-    """One rank of the trainer. With more than one rank every block and the root are FSDP2-sharded (a model
-    component with ``parallelize(model, world=, checkpoint=, seq_len=)`` shards and checkpoints its model
-    itself, on any number of ranks), each rank takes every ``world``-th row of a batch, and the loss is scaled by ``world`` because
-    FSDP2 averages gradients over ranks while the loss is already normalised by the global
-    token count."""
+    """One rank of the trainer. With more than one rank the model component's ``parallelize`` shards every
+    decoder layer and the root with FSDP2 (see :class:`~i3core.protocols.Model`), each rank takes every
+    ``world``-th row of a batch, and the loss is scaled by ``world`` because FSDP2 averages gradients over ranks
+    while the loss is already normalised by the global token count."""
 
     def __init__(self, config: RunConfig, resume_step: int | None = None):
         self.config = config
@@ -154,22 +153,10 @@ class Trainer:
         self.resume_step = resume_step
         if resume_step is not None:  # the full state, loaded before sharding
             self._trainer_state = self._load_resume_state(resume_step)
-        parallelize = getattr(self.model_component, "parallelize", None)
-        if parallelize is not None:  # the model applies its own activation checkpointing and FSDP2
-            parallelize(self.model, world=self.world, checkpoint=config.trainer.activation_memory == "checkpoint",
-                        seq_len=config.trainer.seq_len)
-            return
-        if config.trainer.activation_memory == "checkpoint":
-            if not hasattr(self.model, "activation_checkpointing"):
-                raise I3Error(f"model {config.get('model').name} has no activation checkpointing: "
-                              "use trainer.activation_memory = \"keep\" or \"offload\"")
-            self.model.activation_checkpointing = True
-        if self.world > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in self.model.blocks:
-                fully_shard(block)
-            fully_shard(self.model)
+        # The model shards itself (FSDP2 per decoder layer and the root) and applies its activation checkpointing.
+        self.model_component.parallelize(self.model, world=self.world,
+                                         checkpoint=config.trainer.activation_memory == "checkpoint",
+                                         seq_len=config.trainer.seq_len)
 
     def local_rows(self, batch: TrainBatch) -> TrainBatch:
         """This rank's rows; the batch is padded with empty rows so every rank runs every collective."""

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from i3core.errors import I3Error, Problem, ServerError
 from i3core.plugins.inference.client import InferenceClient
-from i3core.plugins.weight_sync.filesystem import STABLE, reading
+from i3core.weights import STABLE, reading
 
 log = structlog.get_logger("i3core.inference")
 
@@ -86,15 +86,21 @@ class ServerProcesses:
                                               "the servers would refuse every request")]
         return []
 
-    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
+                model: dict | None = None) -> list[str]:
+        """The command line of server ``index``; ``model`` is the run's ``[model]`` (``{"use": name, **options}``),
+        None for the servers' default."""
         raise NotImplementedError
 
     def environment(self, index: int, version: int, receiver: dict | None) -> dict[str, str] | None:
         """The environment of server ``index`` (None: this process's)."""
         return None
 
-    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None) -> list[str]:
-        """Start every server on ``model_dir``'s weights; return their base URLs once all are healthy.
+    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
+              model: dict | None = None) -> list[str]:
+        """Start every server on ``model_dir``'s weights, served as the model component ``model`` (the run's
+        ``[model]`` as ``{"use": name, **options}``; None: the servers' default); return their base URLs once
+        all are healthy.
 
         From then on until :meth:`close`, a server that crashes is restarted (``restarts``). While restarts are
         allowed, a reader's lease holds ``model_dir`` when it is a weight version (it has a STABLE marker), so
@@ -106,7 +112,7 @@ class ServerProcesses:
             self._lease.enter_context(reading(Path(model_dir)))
         for i in range(self.config.servers):
             port = _free_port(self.config.host)
-            cmd = self.command(i, port, model_dir, version, receiver)
+            cmd = self.command(i, port, model_dir, version, receiver, model)
             self._launches.append((cmd, self.environment(i, version, receiver), log_dir / f"inference-{i}.log"))
             self.processes.append(self._launch(i))
             self.urls.append(f"http://{self.config.host}:{port}")
@@ -193,18 +199,28 @@ class ServerProcesses:
 
 
 class BuiltinSource(ServerProcesses):
-    """Rollout source ``builtin``: tiny-moe builtin inference servers."""
+    """Rollout source ``builtin``: builtin inference servers over the run's model component."""
 
     class Config(ServerConfig):
         threads: int = Field(1, ge=1, description="torch CPU threads per server.")
 
-    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
+                model: dict | None = None) -> list[str]:
         return [
             sys.executable, "-m", "i3core.plugins.inference.server",
             "--model-dir", str(model_dir), "--host", self.config.host, "--port", str(port),
             "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
-            "--threads", str(self.config.threads), "--version", str(version), *receiver_args(receiver, index),
+            "--threads", str(self.config.threads), "--version", str(version), *model_args(model),
+            *receiver_args(receiver, index),
         ]  # fmt: skip
+
+
+def model_args(model: dict | None) -> list[str]:
+    """The server flags that pick the model component ``model`` (``{"use": name, **options}``; none for None)."""
+    if model is None:
+        return []
+    options = {k: v for k, v in model.items() if k != "use"}
+    return ["--model", model["use"], "--model-options", json.dumps(options)]
 
 
 def receiver_args(receiver: dict | None, index: int) -> list[str]:

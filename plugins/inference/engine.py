@@ -8,6 +8,10 @@ sequence frees its slot at once, so a new request joins on the next step.
 Weights can be swapped between two steps (:meth:`Engine.load_state`): running
 sequences keep their KV cache and continue under the new version, and every
 generated token records the policy version that sampled it.
+
+The engine knows a model only through :class:`~i3core.protocols.CausalLM`
+(``new_kv_cache``, ``forward_cached``, ``logits``, ``state_dict_from_hf``), so it
+runs any model component that meets :class:`~i3core.protocols.Model`.
 """
 
 import itertools
@@ -16,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from i3core.plugins.models.tiny_moe.hf import load_hf_tensors
-from i3core.plugins.models.tiny_moe.modeling import KVCache, TinyMoEModel
+from i3core.protocols import CausalLM
+from i3core.weights import read_hf_tensors
 
 
 @dataclass
@@ -141,12 +144,12 @@ class EngineBase(ABC):
 
 
 class Engine(EngineBase):
-    """The tiny-moe engine: :meth:`add` requests, call :meth:`step` until they finish."""
+    """The engine over a model's cached decode: :meth:`add` requests, call :meth:`step` until they finish."""
 
-    def __init__(self, model: TinyMoEModel, *, max_slots: int = 32, max_len: int = 512, version: int = 0):
+    def __init__(self, model: CausalLM, *, max_slots: int = 32, max_len: int = 512, version: int = 0):
         super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version)
         self.model = model.eval()
-        self.cache = KVCache(model.cfg, max_slots, max_len, dtype=next(model.parameters()).dtype)
+        self.cache = model.new_kv_cache(max_slots, max_len)
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -181,17 +184,14 @@ class Engine(EngineBase):
         return finished
 
     def stage(self, path: Path) -> dict[str, torch.Tensor]:
-        """Load ``path/model.safetensors`` into a fresh model of this shape: every name and shape is checked."""
-        weights = Path(path) / "model.safetensors"
-        if not weights.is_file():
-            raise ValueError(f"no model.safetensors under {path}")
-        return self.stage_tensors(load_file(str(weights)))
+        """Load the safetensors of the HF directory ``path`` into a state of this model: every name and shape is
+        checked."""
+        return self.stage_tensors(read_hf_tensors(Path(path)))
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stack HF-layout ``tensors`` into a fresh model of this shape: every name and shape is checked."""
-        staged = TinyMoEModel(self.model.cfg, self.model.vocab_size)
-        load_hf_tensors(staged, tensors)
-        return staged.state_dict()
+        """HF-layout ``tensors`` as a state of this model (the model's own conversion): every name and shape is
+        checked."""
+        return self.model.state_dict_from_hf(tensors)
 
     @torch.no_grad()
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:

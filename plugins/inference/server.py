@@ -1,7 +1,10 @@
 """The builtin inference server: an OpenAI-compatible HTTP API over an engine, one process.
 
-The engine is :class:`Engine` (the tiny-moe model) here, or the simulated one
-of :mod:`~i3core.plugins.inference.simulated`; both serve the same API.
+The engine is :class:`Engine` over any model component that meets
+:class:`~i3core.protocols.Model` (found by name through the plugin manager:
+``--model tiny-moe``, the default), or the simulated one of
+:mod:`~i3core.plugins.inference.simulated`; both serve the same API. Prompts
+are encoded, chats rendered and stop tokens chosen by that model component.
 
 Endpoints: ``POST /v1/completions`` (token-id or text prompts; returns token ids,
 per-token logprobs and the policy version of every token), ``POST
@@ -17,12 +20,14 @@ requests join, weights swap and pauses take effect only between two steps.
 A malformed request gets a 4xx with a message; the server keeps serving.
 
 Run: ``python -m i3core.plugins.inference.server --model-dir DIR --port 8000`` (add
-``--engine simulated --timing JSON`` for the simulated engine).
+``--model NAME --model-options JSON`` for another model component, ``--engine
+simulated --timing JSON`` for the simulated engine).
 """
 
 import argparse
 import asyncio
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +35,10 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from i3core.config import build_component
+from i3core.errors import I3Error
 from i3core.lifetime import terminate_with_run
+from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.inference.protocol import (
     CHAT_FIELDS,
@@ -46,20 +54,22 @@ from i3core.plugins.inference.protocol import (
     parse_sampling,
     report_receiver_stopped,
 )
-from i3core.plugins.models.tiny_moe import TinyMoE
-from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, build_tokenizer, token_id
-from i3core.plugins.weight_sync.filesystem import reading
+from i3core.protocols import Model
+from i3core.weights import connect_receiver, reading
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest request body (aiohttp answers 413 beyond it): a full-context token-id prompt is far smaller."""
 
 
 class Server:
-    """The HTTP API over any :class:`EngineBase`; :func:`builtin_server` puts the tiny-moe engine behind it."""
+    """The HTTP API over any :class:`EngineBase`; ``model`` (a :class:`~i3core.protocols.Model` component)
+    encodes and decodes text, renders chats and says where completions stop. :func:`builtin_server` puts a
+    model's own engine behind it."""
 
-    def __init__(self, engine: EngineBase, tokenizer, model_name: str):
+    def __init__(self, engine: EngineBase, model: Model, model_name: str):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.model = model
+        self.tokenizer = model.tokenizer()
         self.model_name = model_name
         self._adds: list[tuple[Sequence, asyncio.Future]] = []
         self._aborts: list[Sequence] = []
@@ -149,13 +159,11 @@ class Server:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list")
-        text = ""
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise BadRequest("each message needs a string role and content")
-            text += f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n"
-        prompt_ids = self.tokenizer.encode(text + f"{IM_START}assistant\n").ids
-        body.setdefault("stop_token_ids", [token_id(IM_END)])
+        prompt_ids = self.tokenizer.encode(self.model.render_chat(messages)).ids
+        body.setdefault("stop_token_ids", list(self.model.end_of_turn_ids))
         seqs = await self._generate_n(body, prompt_ids)
         choices = []
         for i, seq in enumerate(seqs):
@@ -173,7 +181,7 @@ class Server:
         return web.json_response(self._envelope("chat.completion", choices, prompt_ids))
 
     async def _generate_n(self, body: dict, prompt_ids: list[int]) -> list[Sequence]:
-        sampling = parse_sampling(body, self.engine.max_len, [token_id(EOS)])
+        sampling = parse_sampling(body, self.engine.max_len, [self.model.eos_token_id])
         try:
             requests = [
                 Request(list(prompt_ids), sampling.max_tokens, sampling.temperature, sampling.stop_token_ids,
@@ -263,11 +271,27 @@ class Server:
         return web.json_response({"status": "running", "version": self.engine.version})
 
 
-def builtin_server(model_dir: Path, *, max_slots: int, max_len: int, version: int) -> Server:
-    """The tiny-moe engine on the weights of the HF directory ``model_dir``."""
-    model = TinyMoE(TinyMoE.Config()).load_hf(model_dir)
-    engine = Engine(model, max_slots=max_slots, max_len=max_len, version=version)
-    return Server(engine, build_tokenizer(), str(model_dir))
+SERVED_BY_ENGINE = ("load_hf", "render_chat", "end_of_turn_ids")
+"""What the builtin engine needs of a model component beyond training (its module's cached decode aside)."""
+
+
+def model_component(name: str, options: dict, plugins=None) -> Model:
+    """The model component ``name`` with ``options``, found through the plugin manager (any installed plugin)."""
+    return build_component("model", {"use": name, **options}, plugins if plugins is not None else load_plugins())
+
+
+def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int) -> Server:
+    """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
+    directory ``model_dir``.
+
+    :raises I3Error: the model cannot be served by the builtin engine (it has no cached decode).
+    """
+    missing = [name for name in SERVED_BY_ENGINE if not hasattr(model, name)]
+    if missing:
+        raise I3Error(f"model {type(model).__name__} cannot be served by the builtin server (no "
+                      f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
+    engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version)
+    return Server(engine, model, str(model_dir))
 
 
 async def _json_body(http: web.Request) -> dict:
@@ -354,7 +378,10 @@ def main(argv=None) -> None:
     parser.add_argument("--max-len", type=int, default=512, help="longest prompt + completion in tokens")
     parser.add_argument("--version", type=int, default=0, help="policy version of the initial weights")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--engine", choices=("tiny-moe", "simulated"), default="tiny-moe", help="what generates")
+    parser.add_argument("--model", default="tiny-moe", help="the model component that serves the directory")
+    parser.add_argument("--model-options", default="{}", help="that component's Config fields as JSON")
+    parser.add_argument("--engine", choices=("model", "simulated"), default="model",
+                        help="what generates: the model's own engine, or the simulated one")
     parser.add_argument("--timing", default="{}", help="simulated engine: TimingModel fields as JSON")
     parser.add_argument("--index", type=int, default=0, help="simulated engine: offsets its sampling seed")
     parser.add_argument("--receiver", default=None, help="weight-sync receiver spec (JSON) to take broadcasts from")
@@ -362,20 +389,32 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     terminate_with_run()  # started by `i3core run`: stop (SIGTERM, a graceful exit) if that run is killed
     torch.set_num_threads(args.threads)
+    try:
+        server, receiver = _build(args)
+    except I3Error as exc:  # one line in the server's log; the source reports the exit
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    web.run_app(make_app(server, receiver), host=args.host, port=args.port, print=None, access_log=None)
+
+
+def _build(args: argparse.Namespace) -> tuple[Server, object]:
+    """The server and its weight receiver (None without ``--receiver``) that the command line asks for."""
+    plugins = load_plugins()
+    model = model_component(args.model, json.loads(args.model_options), plugins)
     if args.engine == "simulated":
         from i3core.plugins.inference.simulated import TimingModel, simulated_engine
 
-        engine = simulated_engine(args.model_dir, TimingModel.model_validate_json(args.timing), max_slots=args.max_slots,
-                                  max_len=args.max_len, version=args.version, index=args.index)
-        server = Server(engine, build_tokenizer(), f"simulated:{args.model_dir}")
+        engine = simulated_engine(args.model_dir, model, TimingModel.model_validate_json(args.timing),
+                                  max_slots=args.max_slots, max_len=args.max_len, version=args.version,
+                                  index=args.index)
+        server = Server(engine, model, f"simulated:{args.model_dir}")
     else:
-        server = builtin_server(args.model_dir, max_slots=args.max_slots, max_len=args.max_len, version=args.version)
+        server = builtin_server(args.model_dir, model, max_slots=args.max_slots, max_len=args.max_len,
+                                version=args.version)
     receiver = None
     if args.receiver is not None:
-        from i3core.plugins.weight_sync.broadcast import Receiver
-
-        receiver = Receiver.from_spec(json.loads(args.receiver), args.receiver_rank)
-    web.run_app(make_app(server, receiver), host=args.host, port=args.port, print=None, access_log=None)
+        receiver = connect_receiver(json.loads(args.receiver), args.receiver_rank, plugins)
+    return server, receiver
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors import SafetensorError, safe_open
 
-from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses, receiver_args
+from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses, model_args, receiver_args
 from i3core.plugins.inference.engine import EngineBase, Sequence
-from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
+from i3core.protocols import Model
 
 MAX_LENGTH_DRAWS = 100
 """Rejection sampling of the truncated length distribution gives up (and clips) after this many draws."""
@@ -193,19 +193,21 @@ class SimulatedSource(ServerProcesses):
         max_len: int = Field(1024, ge=8, description="Longest prompt + completion, in tokens.")
         timing: TimingModel = Field(default_factory=TimingModel, description="The decode-time and length model.")
 
-    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
+                model: dict | None = None) -> list[str]:
         return [
             sys.executable, "-m", "i3core.plugins.inference.server",
             "--model-dir", str(model_dir), "--engine", "simulated", "--host", self.config.host, "--port", str(port),
             "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
             "--version", str(version), "--index", str(index), "--timing", self.config.timing.model_dump_json(),
-            *receiver_args(receiver, index),
+            *model_args(model), *receiver_args(receiver, index),
         ]  # fmt: skip
 
 
-def simulated_engine(model_dir: Path, timing: TimingModel, *, max_slots: int, max_len: int, version: int,
-                     index: int = 0) -> SimEngine:
-    """A :class:`SimEngine` with the vocabulary of the model under ``model_dir`` (its ``config.json``)."""
+def simulated_engine(model_dir: Path, model: Model, timing: TimingModel, *, max_slots: int, max_len: int,
+                     version: int, index: int = 0) -> SimEngine:
+    """A :class:`SimEngine` with the vocabulary of the model under ``model_dir`` (its ``config.json``), sampling
+    among the tokens of ``model``'s tokenizer."""
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    return SimEngine(timing, vocab_size=vocab_size, sample_vocab=build_tokenizer().get_vocab_size(),
+    return SimEngine(timing, vocab_size=vocab_size, sample_vocab=model.tokenizer().get_vocab_size(),
                      max_slots=max_slots, max_len=max_len, version=version, index=index)

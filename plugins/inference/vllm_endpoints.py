@@ -188,7 +188,7 @@ class I3Endpoints:
             return {"status": "ok", "version": self.version}
         if not isinstance(path, str):
             raise BadRequest("path must be a string")
-        from i3core.plugins.weight_sync.filesystem import reading
+        from i3core.weights import reading
 
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
@@ -259,10 +259,10 @@ class I3Endpoints:
         that does not fit is refused; any other failure stops receiving for good, and every later
         wait for a version fails with that reason.
         """
-        from i3core.plugins.weight_sync.broadcast import Receiver
+        from i3core.weights import connect_receiver
 
         try:
-            watcher = Receiver.from_spec(self.receiver, self.rank)
+            watcher = connect_receiver(self.receiver, self.rank)
             while True:
                 version = watcher.wait_round()
                 try:

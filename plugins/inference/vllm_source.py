@@ -72,11 +72,14 @@ class VllmSource(ServerProcesses):
             raise I3Error(f"{python} cannot import vllm and i3core ({last}); install them there: "
                           "pip install 'i3core[vllm]'")
 
-    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None) -> list[str]:
+    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
+              model: dict | None = None) -> list[str]:
         self.check()
-        return super().start(model_dir, log_dir, version, receiver)
+        return super().start(model_dir, log_dir, version, receiver, model)
 
-    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None) -> list[str]:
+    def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
+                model: dict | None = None) -> list[str]:
+        """vLLM serves ``model_dir`` as its ``config.json`` says (the model component is not needed)."""
         cfg = self.config
         cmd = [
             self.interpreter(), "-m", API_SERVER, "--model", str(model_dir),

@@ -37,9 +37,9 @@ class WeightUpdateExtension:
         """Take the next broadcast version from the weight-sync group (joined on first use)."""
         receiver = getattr(self, "_i3_receiver", None)
         if receiver is None:
-            from i3core.plugins.weight_sync.broadcast import Receiver
+            from i3core.weights import connect_receiver
 
-            receiver = self._i3_receiver = Receiver.from_spec(spec, rank)
+            receiver = self._i3_receiver = connect_receiver(spec, rank)
         version, tensors = receiver.receive()
         return {"version": version, "counts": self._i3_apply(tensors)}
 

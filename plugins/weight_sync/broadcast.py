@@ -240,6 +240,11 @@ class BroadcastSync:
     def is_ready(self, root: Path, version: int) -> bool:
         return self._disk.is_ready(root, version) or self._marker(root, version).exists()
 
+    @staticmethod
+    def connect(spec: dict, rank: int) -> Receiver:
+        """Server ``rank``'s end of the group described by ``spec`` (from :meth:`receiver`)."""
+        return Receiver.from_spec(spec, rank)
+
     def receiver(self, root: Path) -> dict:
         """What each server needs to join the group (its rank is its index + 1)."""
         return {"transport": "broadcast", "rendezvous": str(root / RENDEZVOUS), "backend": self.config.backend,

@@ -13,11 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from i3core.plugins.models.tiny_moe import hf
 from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
-from i3core.plugins.models.tiny_moe.tokenizer import EOS, VOCAB_SIZE, build_tokenizer, token_id
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, VOCAB_SIZE, build_tokenizer, token_id
 
 
 class TinyMoE:
-    """Builds :class:`TinyMoEModel` and converts it to and from the HF Qwen3-MoE layout."""
+    """Builds :class:`TinyMoEModel` and converts it to and from the HF Qwen3-MoE layout; meets
+    :class:`i3core.protocols.Model` (its chat template is ChatML)."""
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -64,12 +65,34 @@ class TinyMoE:
         model.reset_parameters(seed)
         return model
 
+    @staticmethod
+    def parallelize(model: TinyMoEModel, *, world: int, checkpoint: bool, seq_len: int) -> None:
+        """Activation checkpointing per block when ``checkpoint``; FSDP2 on every block and the root when
+        ``world > 1`` (``seq_len`` does not matter here)."""
+        model.activation_checkpointing = checkpoint
+        if world > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+
     def tokenizer(self):
         return build_tokenizer()
+
+    @staticmethod
+    def render_chat(messages: list[dict]) -> str:
+        """ChatML: ``<|im_start|>role\ncontent<|im_end|>\n`` per message, then the assistant's turn opened."""
+        turns = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+        return f"{turns}{IM_START}assistant\n"
 
     @property
     def eos_token_id(self) -> int:
         return token_id(EOS)
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        return [token_id(IM_END)]
 
     @staticmethod
     def save_hf(model: TinyMoEModel, path: str | Path) -> Path:

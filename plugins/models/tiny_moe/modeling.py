@@ -277,3 +277,18 @@ class TinyMoEModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def new_kv_cache(self, slots: int, max_len: int) -> KVCache:
+        """An empty cache of ``slots`` sequences of ``max_len`` tokens, in the weights' dtype."""
+        return KVCache(self.cfg, slots, max_len, dtype=next(self.parameters()).dtype)
+
+    def state_dict_from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A fresh model of this shape loaded from HF-layout ``tensors`` (experts stacked), as a state dict.
+
+        :raises ValueError: a missing, unexpected or wrongly shaped tensor.
+        """
+        from i3core.plugins.models.tiny_moe.hf import load_hf_tensors  # hf builds on this module
+
+        staged = TinyMoEModel(self.cfg, self.vocab_size)
+        load_hf_tensors(staged, tensors)
+        return staged.state_dict()
