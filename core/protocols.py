@@ -251,9 +251,13 @@ class Model(Protocol):
         """The model's tokenizer, a ``tokenizers.Tokenizer``: ``encode(text).ids``, ``decode(ids,
         skip_special_tokens=...)``, ``get_vocab_size()``."""
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The prompt text of OpenAI-style ``messages`` (``role``, ``content``) in the model's chat template,
-        with the assistant's turn opened for generation."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text of OpenAI-style ``messages`` in the model's chat template, with the assistant's turn
+        opened for generation. Each message has ``role`` and ``content`` (a string; may be empty on an
+        assistant turn with ``tool_calls``, OpenAI's ``[{"id", "type": "function", "function": {"name",
+        "arguments"}}]``); a ``tool`` message has ``tool_call_id``. ``tools``: OpenAI function specs offered to
+        the model. A call the model writes is read back as ``<tool_call>{"name", "arguments"}</tool_call>``
+        (the Hermes/Qwen format)."""
 
     @property
     def eos_token_id(self) -> int:

@@ -46,7 +46,8 @@ class InferenceClient:
                            stop_token_ids: list[int] | None = None, seed: int | None = None) -> Completion:
         """One completion of ``prompt_ids``, sent as ids (a multi-turn env's trajectory so far, untouched)."""
         prompt_ids = list(prompt_ids)
-        body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                "skip_special_tokens": False}  # the text as the token ids say it, stop token included
         stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
         if stop is not None:
             body["stop_token_ids"] = stop

@@ -15,6 +15,7 @@ runs any model component that meets :class:`~i3core.protocols.Model`.
 """
 
 import itertools
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,12 @@ class Request:
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_p: float = 1.0
+    """Nucleus sampling: sample among the most likely tokens whose probabilities sum to ``top_p``."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens; 0: all."""
+    top_logprobs: int = 0
+    """Alternatives recorded per generated token (``Sequence.top_logprobs``)."""
 
 
 @dataclass(eq=False)
@@ -46,6 +53,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per generated token, the ``top_logprobs`` most likely ``(token id, logprob)`` (empty when not asked)."""
     finish_reason: str | None = None
     generator: torch.Generator | None = None
 
@@ -90,6 +99,8 @@ class EngineBase(ABC):
             raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; this server holds at most {self.max_len - 1}")
         if request.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if not 0 < request.top_p <= 1 or request.top_k < 0 or request.top_logprobs < 0:
+            raise ValueError("top_p must be in (0, 1], top_k and top_logprobs >= 0")
         seq = Sequence(next(self._ids), request)
         if request.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.seed)
@@ -203,15 +214,34 @@ class Engine(EngineBase):
         self.version = version
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """One token per sequence. Its logprob is under the distribution it was drawn from: after temperature,
+        and after top_k/top_p (renormalised over the tokens they keep) when those are set."""
         logits = self.model.logits(hidden).float()
         for seq, row in zip(seqs, logits):
-            temperature = seq.request.temperature
-            if temperature == 0:
+            request = seq.request
+            if request.temperature == 0:
                 logprobs = torch.log_softmax(row, dim=-1)
                 token = int(row.argmax())
             else:
-                logprobs = torch.log_softmax(row / temperature, dim=-1)
+                logprobs = torch.log_softmax(_truncate(row / request.temperature, request.top_k, request.top_p), -1)
                 token = int(torch.multinomial(logprobs.exp(), 1, generator=seq.generator))
             seq.token_ids.append(token)
             seq.logprobs.append(float(logprobs[token]))
             seq.versions.append(self.version)
+            if request.top_logprobs:
+                values, ids = logprobs.topk(min(request.top_logprobs, logprobs.shape[-1]))
+                seq.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
+
+
+def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits`` ``[V]`` with every token outside the ``top_k`` most likely and outside the smallest set whose
+    probability reaches ``top_p`` set to -inf (the most likely token always stays)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        ordered, order = logits.sort(descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # probability of the tokens ranked above
+        logits = logits.clone()
+        logits[order[before >= top_p]] = -math.inf
+    return logits

@@ -9,7 +9,9 @@ import asyncio
 import difflib
 import json
 import math
+import re
 import time
+import uuid
 from dataclasses import dataclass
 
 MAX_N = 64
@@ -37,24 +39,69 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
-COMPLETION_FIELDS = ("model", "prompt", "n", "max_tokens", "temperature", "stop_token_ids", "seed")
-"""What ``/v1/completions`` reads (``model`` is accepted and ignored: one model per server)."""
-CHAT_FIELDS = ("model", "messages", "n", "max_tokens", "temperature", "stop_token_ids", "seed")
+COMPLETION_FIELDS = ("model", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                     "stop_token_ids", "stream", "stream_options", "logprobs", "user", "skip_special_tokens")
+"""What ``/v1/completions`` reads (``model`` is echoed, not checked: one model per server; ``user`` is ignored)."""
+CHAT_FIELDS = ("model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+               "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs", "tools",
+               "tool_choice", "parallel_tool_calls", "user", "skip_special_tokens")
+"""What ``/v1/chat/completions`` reads."""
+UNSUPPORTED = {
+    "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
+    "echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
+    "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
+    "service_tier": None, "store": False, "metadata": None, "min_tokens": 0, "repetition_penalty": 1.0,
+}
+"""Standard fields this server does not implement, each with the value that asks for nothing (accepted as if the
+field were absent); any other value is refused with a 400 naming the field."""
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+FINITE_LOGPROB = -9999.0
+"""Stands for a logprob of -inf (a token top_k or top_p ruled out) where JSON needs a number."""
 
 
-def check_fields(body: dict, known: tuple[str, ...]) -> None:
-    """Refuse fields the endpoint does not read (a typo would otherwise be silently ignored)."""
-    for key in body:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}")
+def check_fields(body: dict, known: tuple[str, ...], unsupported: dict | None = None) -> None:
+    """Refuse fields the endpoint does not read (a typo would otherwise be silently ignored), and standard
+    fields of ``unsupported`` asked for anything but their neutral value (those are then dropped from ``body``)."""
+    for key in list(body):
+        if key in known:
+            continue
+        if unsupported is not None and key in unsupported:
+            if body[key] is None or body[key] == unsupported[key]:
+                del body[key]
+                continue
+            raise BadRequest(f"{key} is not supported by this server")
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}")
 
 
 def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
     value = body.get(key, default)
+    if value is None:
+        value = default
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise BadRequest(f"{key} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = body.get(key, default)
+    if value is None:
+        value = default
+    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+            or not (low < value if open_low else low <= value) or value > high):
+        bounds = f">= {low:g}" if high == math.inf else f"in {'(' if open_low else '['}{low:g}, {high:g}]"
+        raise BadRequest(f"{key} must be a finite number {bounds}")
+    return float(value)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false")
     return value
 
 
@@ -67,57 +114,101 @@ class Sampling:
     temperature: float
     stop_token_ids: tuple[int, ...]
     seed: int | None
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: off."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a completion; the text stops before them (the token ids keep the token that ended it)."""
+    logprobs: int | None = None
+    """Alternatives to return per token (OpenAI's ``logprobs``/``top_logprobs``); None: logprobs not asked for."""
+    skip_special_tokens: bool = True
+    stream: bool = False
+    include_usage: bool = False
 
     def seed_of(self, i: int) -> int | None:
         """Completion ``i`` of ``n`` samples with its own seed (``seed + i``)."""
         return None if self.seed is None else self.seed + i
 
 
-def parse_sampling(body: dict, max_len: int, default_stop: list[int]) -> Sampling:
-    """``n``, ``max_tokens``, ``temperature``, ``stop_token_ids``, ``seed`` of a request body.
+def parse_sampling(body: dict, max_len: int, default_stop: list[int], chat: bool = False) -> Sampling:
+    """The sampling settings of a request body (completions, or chat with ``chat``).
 
     :raises BadRequest: a field of the wrong type or out of range.
     """
     n = _int(body, "n", 1, 1, MAX_N)
-    max_tokens = _int(body, "max_tokens", 16, 1, max_len)
-    temperature = body.get("temperature", 1.0)
-    if (not isinstance(temperature, int | float) or isinstance(temperature, bool) or not math.isfinite(temperature)
-            or temperature < 0):
-        raise BadRequest("temperature must be a finite number >= 0")
-    stop = body.get("stop_token_ids", default_stop)
-    if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", max_len, 1, max_len)
+    else:  # chat: as many as fit (OpenAI's default); completions: OpenAI's 16
+        max_tokens = _int(body, "max_tokens", max_len if chat else 16, 1, max_len)
+    temperature = _number(body, "temperature", 1.0, 0.0, math.inf)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
+    top_k = _int(body, "top_k", 0, -1, 1 << 30)
+    stop_ids = body.get("stop_token_ids", default_stop)
+    if stop_ids is None:
+        stop_ids = default_stop
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stop)):
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise BadRequest("seed must be an integer")
-    return Sampling(n, max_tokens, float(temperature), tuple(stop), seed)
+    if chat:
+        logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if _bool(body, "logprobs", False) else None
+        if body.get("top_logprobs") and logprobs is None:
+            raise BadRequest("top_logprobs needs logprobs = true")
+    else:
+        logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise BadRequest("stream_options needs stream = true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise BadRequest('stream_options must be {"include_usage": true|false}')
+    include_usage = _bool(options or {}, "include_usage", False)
+    return Sampling(n, max_tokens, temperature, tuple(stop_ids), seed, top_p=top_p, top_k=max(top_k, 0),
+                    stop=tuple(stop), logprobs=logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True),
+                    stream=stream, include_usage=include_usage)
 
 
 def parse_prompt(body: dict, vocab_size: int, encode) -> list[int]:
-    """The prompt as token ids: a list of ids as given, a string through ``encode``."""
+    """The prompt as token ids: a list of ids as given, a string (or a list of one string) through ``encode``."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
         prompt_ids = encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt_ids = prompt
     else:
-        raise BadRequest("prompt must be a string or a non-empty list of token ids")
+        raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids (one prompt a request)")
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise BadRequest(f"prompt token ids must be in [0, {vocab_size})")
     return prompt_ids
 
 
 def completion_choice(index: int, text: str, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
-                      versions: list[int], finish_reason: str | None) -> dict:
+                      versions: list[int], finish_reason: str | None, openai_logprobs: dict | None = None) -> dict:
+    """A ``/v1/completions`` choice: OpenAI's fields, ``logprobs.token_logprobs`` always (the training client
+    reads it), and i3core's extras: ``token_ids``, ``prompt_token_ids``, ``versions``."""
     return {
         "index": index,
         "text": text,
         "token_ids": token_ids,
         "prompt_token_ids": prompt_ids,
-        "logprobs": {"token_logprobs": logprobs},
+        "logprobs": openai_logprobs or {"token_logprobs": logprobs},
         "versions": versions,
         "finish_reason": finish_reason,
     }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict], prompt_ids: list[int]) -> dict:
@@ -127,11 +218,117 @@ def envelope(kind: str, request_id: str, model: str, choices: list[dict], prompt
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": sum(len(c["token_ids"]) for c in choices),
-        },
+        "usage": usage(len(prompt_ids), sum(len(c["token_ids"]) for c in choices)),
     }
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry (-inf as :data:`FINITE_LOGPROB`)."""
+    return logprob if logprob > FINITE_LOGPROB else FINITE_LOGPROB
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+def _text(content, where: str) -> str:
+    """A message's content as one string: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"{where}: only text content parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRequest(f"{where}: content must be a string or a list of text parts")
+
+
+def parse_messages(messages) -> list[dict]:
+    """OpenAI chat ``messages`` checked and normalised for a chat template: ``content`` always a string (text
+    parts joined, null on an assistant turn with ``tool_calls`` as ""), ``developer`` as ``system``.
+
+    :raises BadRequest: a malformed message, naming it.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"{where}: needs a role, one of {', '.join(ROLES)}")
+        role, calls = m["role"], m.get("tool_calls")
+        if m.get("content") is None and not (role == "assistant" and calls):
+            raise BadRequest(f"{where}: content is missing")
+        message = {"role": "system" if role == "developer" else role,
+                   "content": "" if m.get("content") is None else _text(m["content"], where)}
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise BadRequest(f"{where}: tool_calls must be a list on an assistant message")
+            message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise BadRequest(f"{where}: a tool message needs a string tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def _tool_call(call, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise BadRequest(f'{where}: needs {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+    try:
+        arguments = json.loads(fn["arguments"] or "{}")
+    except json.JSONDecodeError:
+        raise BadRequest(f"{where}: function.arguments is not JSON") from None
+    if not isinstance(arguments, dict):
+        raise BadRequest(f"{where}: function.arguments must encode a JSON object")
+    return {"id": str(call.get("id", "")), "type": "function",
+            "function": {"name": fn["name"], "arguments": fn["arguments"] or "{}"}}
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """The ``tools`` offered to the model (None: none, or ``tool_choice = "none"``).
+
+    :raises BadRequest: a malformed tool, or a ``tool_choice`` this server cannot enforce.
+    """
+    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if choice not in ("auto", "none", None):
+        raise BadRequest('tool_choice must be "auto" or "none": this server cannot force a call')
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name", ...}}')
+    return tools or None
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Generated text as (content, OpenAI ``tool_calls``): the well-formed ``<tool_call>{"name", "arguments"}
+    </tool_call>`` blocks become calls and the content is the text before the first of them (None when empty);
+    text without a well-formed block is all content."""
+    calls = []
+    for raw in TOOL_CALL.findall(text):
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            continue
+        arguments = body.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": body["name"], "arguments": arguments}})
+    if not calls:
+        return text, []
+    content = text[: text.index(TOOL_CALL_OPEN)].strip()
+    return content or None, calls
 
 
 class VersionWaits:

@@ -30,6 +30,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -40,18 +41,13 @@ from i3core.errors import I3Error
 from i3core.lifetime import terminate_with_run
 from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
+from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
     BadRequest,
     VersionWaits,
     check_fields,
-    completion_choice,
-    envelope,
     error_body,
     parse_json_object,
-    parse_prompt,
-    parse_sampling,
     report_receiver_stopped,
 )
 from i3core.protocols import Model
@@ -74,6 +70,8 @@ class Server:
         self._adds: list[tuple[Sequence, asyncio.Future]] = []
         self._aborts: list[Sequence] = []
         self._futures: dict[int, asyncio.Future] = {}
+        self._followers: dict[int, tuple[Sequence, asyncio.Queue]] = {}
+        """Sequences whose every step is watched (:meth:`follow`): True is put once one finished."""
         self._update: tuple[dict, int, asyncio.Future] | None = None
         self._wake = asyncio.Event()
         self._paused = False
@@ -107,6 +105,9 @@ class Server:
                 future = self._futures.pop(seq.id, None)
                 if future is not None and not future.done():
                     future.set_result(seq)
+            for seq, updates in self._followers.values():  # streams and stop strings: every step
+                if seq.token_ids:
+                    updates.put_nowait(seq.finish_reason is not None)
 
     def _between_steps(self) -> None:
         if self._update is not None:
@@ -126,8 +127,18 @@ class Server:
             self.engine.abort(seq)
         self._aborts.clear()
 
-    async def generate(self, request: Request) -> Sequence:
-        seq = self.engine.new_sequence(request)
+    def new_sequence(self, request: Request) -> Sequence:
+        """``request`` checked by the engine and wrapped, not yet queued.
+
+        :raises BadRequest: an empty or too long prompt, sampling settings out of range.
+        """
+        try:
+            return self.engine.new_sequence(request)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def generate(self, seq: Sequence) -> Sequence:
+        """Queue ``seq`` and wait until it finishes; cancelling the wait aborts it between two steps."""
         future = asyncio.get_running_loop().create_future()
         self._adds.append((seq, future))
         self._wake.set()
@@ -135,67 +146,35 @@ class Server:
             return await future
         except asyncio.CancelledError:  # the client went away: free its slot between two steps
             self._futures.pop(seq.id, None)
-            self._aborts.append(seq)
-            self._wake.set()
+            self.abort(seq)
             raise
 
-    # -- HTTP handlers -----------------------------------------------------
-
-    async def completions(self, http: web.Request) -> web.Response:
-        body = await _json_body(http)
-        check_fields(body, COMPLETION_FIELDS)
-        prompt_ids = parse_prompt(body, self.engine.vocab_size, lambda text: self.tokenizer.encode(text).ids)
-        seqs = await self._generate_n(body, prompt_ids)
-        choices = [
-            completion_choice(i, self.tokenizer.decode(seq.token_ids, skip_special_tokens=False), prompt_ids,
-                              seq.token_ids, seq.logprobs, seq.versions, seq.finish_reason)
-            for i, seq in enumerate(seqs)
-        ]
-        return web.json_response(self._envelope("text_completion", choices, prompt_ids))
-
-    async def chat_completions(self, http: web.Request) -> web.Response:
-        body = await _json_body(http)
-        check_fields(body, CHAT_FIELDS)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRequest("each message needs a string role and content")
-        prompt_ids = self.tokenizer.encode(self.model.render_chat(messages)).ids
-        body.setdefault("stop_token_ids", list(self.model.end_of_turn_ids))
-        seqs = await self._generate_n(body, prompt_ids)
-        choices = []
-        for i, seq in enumerate(seqs):
-            ids = seq.token_ids[:-1] if seq.finish_reason == "stop" else seq.token_ids
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": self.tokenizer.decode(ids)},
-                    "token_ids": seq.token_ids,
-                    "logprobs": {"token_logprobs": seq.logprobs},
-                    "versions": seq.versions,
-                    "finish_reason": seq.finish_reason,
-                }
-            )
-        return web.json_response(self._envelope("chat.completion", choices, prompt_ids))
-
-    async def _generate_n(self, body: dict, prompt_ids: list[int]) -> list[Sequence]:
-        sampling = parse_sampling(body, self.engine.max_len, [self.model.eos_token_id])
+    async def follow(self, seq: Sequence) -> AsyncIterator[Sequence]:
+        """Queue ``seq`` and yield it after every step that gave it tokens, last once it finished. Leaving the
+        loop early (a stop string, a client gone) aborts it between two steps."""
+        updates: asyncio.Queue = asyncio.Queue()
+        self._followers[seq.id] = (seq, updates)
+        done = asyncio.get_running_loop().create_future()
+        self._adds.append((seq, done))
+        self._wake.set()
         try:
-            requests = [
-                Request(list(prompt_ids), sampling.max_tokens, sampling.temperature, sampling.stop_token_ids,
-                        sampling.seed_of(i))
-                for i in range(sampling.n)
-            ]
-            seqs = await asyncio.gather(*(self.generate(r) for r in requests))
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-        self.requests_served += 1
-        return list(seqs)
+            while True:
+                finished = await updates.get()
+                yield seq
+                if finished:
+                    return
+        finally:
+            self._followers.pop(seq.id, None)
+            if not done.done():
+                self._futures.pop(seq.id, None)
+                self.abort(seq)
 
-    def _envelope(self, kind: str, choices: list, prompt_ids: list[int]) -> dict:
-        return envelope(kind, f"cmpl-{self.requests_served}", self.model_name, choices, prompt_ids)
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` between two steps (its slot is freed)."""
+        self._aborts.append(seq)
+        self._wake.set()
+
+    # -- HTTP handlers (the OpenAI routes are in openai_api) -----------------
 
     async def health(self, http: web.Request) -> web.Response:
         body = {"status": "ok", "version": self.engine.version, "paused": self._paused}
@@ -321,8 +300,7 @@ def make_app(server: Server, receiver=None) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app.add_routes(
         [
-            web.post("/v1/completions", server.completions),
-            web.post("/v1/chat/completions", server.chat_completions),
+            *OpenAIRoutes(server).routes(),
             web.get("/health", server.health),
             web.get("/metrics", server.metrics),
             web.post("/update_weights", server.update_weights),

@@ -5,6 +5,7 @@ head_dim 64 (vLLM's CPU attention rejects head_dim 16), so the same weights
 can be served by the builtin server and by vLLM.
 """
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -81,10 +82,27 @@ class TinyMoE:
         return build_tokenizer()
 
     @staticmethod
-    def render_chat(messages: list[dict]) -> str:
-        """ChatML: ``<|im_start|>role\ncontent<|im_end|>\n`` per message, then the assistant's turn opened."""
-        turns = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
-        return f"{turns}{IM_START}assistant\n"
+    def render_chat(messages: list[dict], tools: list[dict] | None = None) -> str:
+        """ChatML (``<|im_start|>role\ncontent<|im_end|>\n`` per message, then the assistant's turn opened), with
+        Qwen's tool format: ``tools`` as JSON lines in a ``<tools>`` block of the system message, an assistant's
+        ``tool_calls`` as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after its content, and
+        each tool result as a turn of role ``tool``."""
+        if tools:
+            offer = "# Tools\n<tools>\n" + "\n".join(json.dumps(t, sort_keys=True) for t in tools) + "\n</tools>\n" \
+                'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+            if messages and messages[0]["role"] == "system":
+                messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{offer}"}, *messages[1:]]
+            else:
+                messages = [{"role": "system", "content": offer}, *messages]
+        turns = []
+        for m in messages:
+            content = m.get("content") or ""
+            for call in m.get("tool_calls") or []:
+                fn = call["function"]
+                body = {"name": fn["name"], "arguments": json.loads(fn["arguments"] or "{}")}
+                content += f"{chr(10) if content else ''}<tool_call>{json.dumps(body)}</tool_call>"
+            turns.append(f"{IM_START}{m['role']}\n{content}{IM_END}\n")
+        return "".join(turns) + f"{IM_START}assistant\n"
 
     @property
     def eos_token_id(self) -> int:

@@ -1,0 +1,417 @@
+"""The builtin server's OpenAI surface, a thin adapter over :class:`~i3core.plugins.inference.server.Server`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``), ``GET /v1/models``, and
+vLLM's token-in ``POST /inference/v1/generate`` (what verifiers' training client and the ``renderers`` package
+post), with ``GET``/``DELETE /inference/v1/sessions/{id}`` for the per-token policy versions recorded under a
+request's ``X-Session-ID``. Request fields are checked by :mod:`~i3core.plugins.inference.protocol`; the engine
+knows nothing of HTTP, JSON or chat. What is supported, refused and added is in docs/serving.md.
+
+A sequence is only followed step by step (:meth:`Server.follow`) when the request streams or has stop strings;
+otherwise the handler waits for it once, so the training client's path costs what it did.
+"""
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from i3core.plugins.inference.engine import Request, Sequence
+from i3core.plugins.inference.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    TOOL_CALL_OPEN,
+    UNSUPPORTED,
+    BadRequest,
+    Sampling,
+    check_fields,
+    completion_choice,
+    finite,
+    parse_json_object,
+    parse_messages,
+    parse_prompt,
+    parse_sampling,
+    parse_tools,
+    split_tool_calls,
+    usage,
+)
+
+GENERATE_FIELDS = ("token_ids", "sampling_params", "model", "request_id", "stream", "output_mode",
+                   "return_token_ids", "cache_salt", "priority")
+"""What ``/inference/v1/generate`` reads (``cache_salt`` and ``priority`` are accepted and ignored)."""
+SAMPLING_PARAMS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs",
+                   "skip_special_tokens", "detokenize", "ignore_eos", "include_stop_str_in_output")
+"""The ``sampling_params`` of ``/inference/v1/generate`` it reads (vLLM's names)."""
+SESSION_HEADER = "X-Session-ID"
+MAX_SESSIONS = 4096
+"""Sessions whose versions are kept (the oldest is forgotten first): an env adapter reads its own at once."""
+MAX_SESSION_TURNS = 1024
+
+
+@dataclass
+class Output:
+    """One finished choice: its tokens (cut after a stop string), its text and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str
+
+    @classmethod
+    def of(cls, seq: Sequence, count: int, text: str, finish_reason: str) -> "Output":
+        return cls(seq.token_ids[:count], seq.logprobs[:count], seq.versions[:count], seq.top_logprobs[:count],
+                   text, finish_reason)
+
+
+class TextStream:
+    """Detokenises a growing sequence: the text so far, where a stop string ends it, and what may be sent.
+
+    ``hold`` is a marker after which nothing is streamed as content (``<tool_call>`` when tools are offered);
+    a suffix that could still become a stop string or the marker, or an unfinished UTF-8 character, is held
+    back until the next tokens decide it.
+    """
+
+    def __init__(self, tokenizer, sampling: Sampling, hold: str | None = None):
+        self.tokenizer, self.sampling, self.hold = tokenizer, sampling, hold
+        self.checked = 0
+        """Tokens already searched for a stop string."""
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.sampling.skip_special_tokens)
+
+    def find_stop(self, ids: list[int]) -> tuple[int, str] | None:
+        """``(tokens kept, text before the stop string)`` for the first prefix of ``ids`` whose text holds a
+        stop string, or None."""
+        stops = self.sampling.stop
+        for count in range(self.checked + 1, len(ids) + 1) if stops else ():
+            text = self.decode(ids[:count])
+            found = [(text.find(s), s) for s in stops if s in text]
+            if found:
+                return count, text[: min(found)[0]]
+        self.checked = len(ids)
+        return None
+
+    def sendable(self, text: str) -> int:
+        """How much of ``text`` may be streamed now."""
+        end = len(text.rstrip("\ufffd"))
+        if self.hold is not None and self.hold in text:
+            end = min(end, text.index(self.hold))
+        for marker in (*self.sampling.stop, *([self.hold] if self.hold else [])):
+            for cut in range(min(len(marker) - 1, end), 0, -1):
+                if text[:end].endswith(marker[:cut]):
+                    end -= cut
+                    break
+        return end
+
+
+class OpenAIRoutes:
+    """The OpenAI and token-in routes of one :class:`~i3core.plugins.inference.server.Server`."""
+
+    def __init__(self, server):
+        self.server = server
+        self.sessions: OrderedDict[str, list[dict]] = OrderedDict()
+
+    def routes(self) -> list:
+        return [
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.post("/inference/v1/generate", self.generate),
+            web.get("/inference/v1/sessions/{session_id}", self.session),
+            web.delete("/inference/v1/sessions/{session_id}", self.forget_session),
+        ]
+
+    # -- requests into sequences ------------------------------------------------------------------------------
+
+    def _sequences(self, prompt_ids: list[int], sampling: Sampling) -> list[Sequence]:
+        """The ``n`` sequences of one request, checked before anything is queued or any byte is sent."""
+        return [
+            self.server.new_sequence(Request(
+                list(prompt_ids), sampling.max_tokens, sampling.temperature, sampling.stop_token_ids,
+                sampling.seed_of(i), top_p=sampling.top_p, top_k=sampling.top_k,
+                top_logprobs=sampling.logprobs or 0,
+            ))
+            for i in range(sampling.n)
+        ]  # fmt: skip
+
+    async def _run(self, seq: Sequence, sampling: Sampling, hold: str | None = None, on_delta=None) -> Output:
+        """Generate ``seq`` to its end: a stop token, ``max_tokens``, ``max_len`` or a stop string (then the
+        tokens are cut after the one that completed it). ``on_delta(text, first, last)`` gets each piece of
+        text that may be streamed with the tokens ``[first, last)`` produced since the previous call."""
+        stream = TextStream(self.server.tokenizer, sampling, hold)
+        if on_delta is None and not sampling.stop:
+            seq = await self.server.generate(seq)
+            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq), seq.finish_reason)
+        sent_text, sent_tokens = 0, 0
+        async for seq in self.server.follow(seq):
+            count = len(seq.token_ids)  # the engine thread may append while we read: take a snapshot
+            stop = stream.find_stop(seq.token_ids[:count])
+            if stop is not None:
+                count, text = stop
+                output = Output.of(seq, count, text, "stop")
+            elif seq.finish_reason is not None:
+                output = Output.of(seq, count, self._final_text(stream, seq), seq.finish_reason)
+            else:
+                output = None
+            if on_delta is not None:
+                if output is not None:
+                    text, end = output.text, len(output.text)
+                    if hold is not None and hold in text:
+                        end = text.index(hold)
+                else:
+                    text = stream.decode(seq.token_ids[:count])
+                    end = stream.sendable(text)
+                if end > sent_text or count > sent_tokens:
+                    await on_delta(text[sent_text:end] if end > sent_text else "", sent_tokens, count)
+                    sent_text, sent_tokens = max(sent_text, end), count
+            if output is not None:
+                return output
+        raise AssertionError("a followed sequence ended without finishing")  # follow() yields it finished last
+
+    @staticmethod
+    def _final_text(stream: TextStream, seq: Sequence) -> str:
+        """The text of a finished sequence: its stop token (when it ended on one) left out."""
+        ids = seq.token_ids
+        if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_token_ids:
+            ids = ids[:-1]
+        return stream.decode(ids)
+
+    # -- /v1/completions --------------------------------------------------------------------------------------
+
+    async def completions(self, http: web.Request) -> web.StreamResponse:
+        server = self.server
+        body = parse_json_object(await http.read())
+        check_fields(body, COMPLETION_FIELDS, UNSUPPORTED)
+        prompt_ids = parse_prompt(body, server.engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
+        sampling = parse_sampling(body, server.engine.max_len, [server.model.eos_token_id])
+        seqs = self._sequences(prompt_ids, sampling)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if sampling.stream:
+            return await self._stream(http, seqs, sampling, prompt_ids, request_id, "text_completion", created)
+        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        server.requests_served += 1
+        choices = [
+            completion_choice(i, out.text, prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
+                              self._completion_logprobs(out, 0) if sampling.logprobs is not None else None)
+            for i, out in enumerate(outputs)
+        ]
+        return web.json_response(self._envelope(request_id, "text_completion", created, choices, prompt_ids))
+
+    def _completion_logprobs(self, out: Output, offset: int, first: int = 0, last: int | None = None) -> dict:
+        """OpenAI's legacy logprobs of tokens ``[first, last)``: ``tokens``, ``token_logprobs``,
+        ``top_logprobs`` (token text -> logprob), ``text_offset`` (from ``offset`` in the completion's text)."""
+        last = len(out.token_ids) if last is None else last
+        tokens = [self._token_text(t) for t in out.token_ids[first:last]]
+        offsets, at = [], offset
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        top = [{self._token_text(t): finite(lp) for t, lp in alternatives} for alternatives in out.top[first:last]]
+        return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in out.logprobs[first:last]],
+                "top_logprobs": top or None, "text_offset": offsets}
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------------------
+
+    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
+        server = self.server
+        body = parse_json_object(await http.read())
+        check_fields(body, CHAT_FIELDS, UNSUPPORTED)
+        messages, tools = parse_messages(body.get("messages")), parse_tools(body)
+        prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, tools)).ids
+        if body.get("stop_token_ids") is None:  # the end of the assistant's turn, or of the text
+            body["stop_token_ids"] = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
+        sampling = parse_sampling(body, server.engine.max_len, [], chat=True)
+        seqs = self._sequences(prompt_ids, sampling)
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        hold = TOOL_CALL_OPEN if tools else None
+        if sampling.stream:
+            return await self._stream(http, seqs, sampling, prompt_ids, request_id, "chat.completion.chunk", created,
+                                      hold)
+        outputs = await asyncio.gather(*(self._run(seq, sampling, hold) for seq in seqs))
+        server.requests_served += 1
+        choices = []
+        for i, out in enumerate(outputs):
+            content, calls = split_tool_calls(out.text) if tools else (out.text, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({
+                "index": i, "message": message,
+                "logprobs": self._chat_logprobs(out) if sampling.logprobs is not None else None,
+                "finish_reason": "tool_calls" if calls else out.finish_reason,
+                **self._extras(out),
+            })  # fmt: skip
+        return web.json_response(self._envelope(request_id, "chat.completion", created, choices, prompt_ids))
+
+    def _chat_logprobs(self, out: Output, first: int = 0, last: int | None = None) -> dict:
+        """OpenAI's chat logprobs of tokens ``[first, last)``: ``content[{token, logprob, bytes, top_logprobs}]``."""
+        last = len(out.token_ids) if last is None else last
+        content = []
+        for token, logprob, alternatives in zip(out.token_ids[first:last], out.logprobs[first:last],
+                                                out.top[first:last] or [[]] * (last - first)):
+            entry = self._token_entry(token, logprob)
+            entry["top_logprobs"] = [self._token_entry(t, lp) for t, lp in alternatives]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def _token_entry(self, token: int, logprob: float) -> dict:
+        text = self._token_text(token)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    def _token_text(self, token: int) -> str:
+        return self.server.tokenizer.decode([token], skip_special_tokens=False)
+
+    @staticmethod
+    def _extras(out: Output) -> dict:
+        """i3core's fields on a choice: the sampled token ids, their logprobs and policy versions."""
+        return {"token_ids": out.token_ids, "token_logprobs": out.logprobs, "versions": out.versions}
+
+    # -- streaming --------------------------------------------------------------------------------------------
+
+    async def _stream(self, http: web.Request, seqs: list[Sequence], sampling: Sampling, prompt_ids: list[int],
+                      request_id: str, kind: str, created: int, hold: str | None = None) -> web.StreamResponse:
+        """Server-sent events: one chunk per piece of each choice, a last chunk per choice with its
+        ``finish_reason`` (and, with tools, its ``tool_calls``), a usage chunk when asked, then ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        lock = asyncio.Lock()
+        chat = kind == "chat.completion.chunk"
+
+        async def send(choices: list[dict], **extra) -> None:
+            chunk = {"id": request_id, "object": kind, "created": created, "model": self.server.model_name,
+                     "choices": choices, **extra}
+            async with lock:
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        async def one(index: int, seq: Sequence) -> Output:
+            offset = 0
+            if chat:
+                await send([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+            async def on_delta(text: str, first: int, last: int) -> None:
+                nonlocal offset
+                partial = Output.of(seq, last, "", "")
+                choice = {"index": index, "finish_reason": None, "token_ids": partial.token_ids[first:last],
+                          "versions": partial.versions[first:last]}
+                if chat:
+                    choice["delta"] = {"content": text} if text else {}
+                    choice["logprobs"] = (self._chat_logprobs(partial, first, last)
+                                          if sampling.logprobs is not None else None)
+                else:
+                    choice["text"] = text
+                    choice["logprobs"] = (self._completion_logprobs(partial, offset, first, last)
+                                          if sampling.logprobs is not None else None)
+                offset += len(text)
+                await send([choice])
+
+            out = await self._run(seq, sampling, hold, on_delta)
+            last = {"index": index, "finish_reason": out.finish_reason, "logprobs": None}
+            if chat:
+                _, calls = split_tool_calls(out.text) if hold else (None, [])
+                last["delta"] = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]} if calls else {}
+                if calls:
+                    last["finish_reason"] = "tool_calls"
+            else:
+                last["text"] = ""
+            await send([last])
+            return out
+
+        outputs = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        self.server.requests_served += 1
+        if sampling.include_usage:
+            await send([], usage=usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _envelope(self, request_id: str, kind: str, created: int, choices: list[dict], prompt_ids: list[int]) -> dict:
+        return {"id": request_id, "object": kind, "created": created, "model": self.server.model_name,
+                "choices": choices, "usage": usage(len(prompt_ids), sum(len(c["token_ids"]) for c in choices))}
+
+    # -- /v1/models -------------------------------------------------------------------------------------------
+
+    async def models(self, http: web.Request) -> web.Response:
+        card = {"id": self.server.model_name, "object": "model", "created": int(self.server.started),
+                "owned_by": "i3core", "max_model_len": self.server.engine.max_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    # -- /inference/v1/generate (vLLM's token-in endpoint) ----------------------------------------------------
+
+    async def generate(self, http: web.Request) -> web.Response:
+        server = self.server
+        body = parse_json_object(await http.read())
+        check_fields(body, GENERATE_FIELDS)
+        if body.get("stream"):
+            raise BadRequest("stream is not supported on /inference/v1/generate")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("sampling_params must be an object")
+        check_fields(params, SAMPLING_PARAMS, UNSUPPORTED)
+        for key, neutral in (("ignore_eos", False), ("include_stop_str_in_output", False), ("detokenize", True)):
+            if params.get(key, neutral) != neutral:
+                raise BadRequest(f"sampling_params.{key} = {params[key]!r} is not supported")
+        if not isinstance(body.get("token_ids"), list):
+            raise BadRequest("token_ids must be a non-empty list of token ids")
+        prompt_ids = parse_prompt({"prompt": body["token_ids"]}, server.engine.vocab_size, None)
+        output_mode = body.get("output_mode", "tokens")
+        if output_mode not in ("tokens", "text"):
+            raise BadRequest('output_mode must be "tokens" or "text"')
+        sampling = parse_sampling({k: params[k] for k in params if k not in ("detokenize", "ignore_eos",
+                                                                             "include_stop_str_in_output")},
+                                  server.engine.max_len, [server.model.eos_token_id])
+        seqs = self._sequences(prompt_ids, sampling)
+        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        server.requests_served += 1
+        request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else uuid.uuid4().hex
+        choices = []
+        for i, out in enumerate(outputs):
+            choice = {"index": i, "finish_reason": out.finish_reason, "stop_reason": None,
+                      "token_ids": out.token_ids, "versions": out.versions,
+                      "logprobs": self._generate_logprobs(out) if sampling.logprobs is not None else None}
+            if output_mode == "text":
+                choice["text"] = out.text
+            choices.append(choice)
+        session = http.headers.get(SESSION_HEADER)
+        if session:
+            self._record(session, request_id, len(prompt_ids), outputs)
+        return web.json_response({
+            "request_id": request_id, "model": server.model_name, "created": int(time.time()),
+            "prompt_token_ids": prompt_ids, "choices": choices,
+            "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
+        })  # fmt: skip
+
+    @staticmethod
+    def _generate_logprobs(out: Output) -> dict:
+        """vLLM's token-in logprobs: per token its id (also as ``"token_id:N"``, what ``renderers`` checks)."""
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": f"token_id:{token}", "token_id": token, "logprob": finite(logprob)}
+
+        content = []
+        for token, logprob, alternatives in zip(out.token_ids, out.logprobs, out.top or [[]] * len(out.token_ids)):
+            content.append({**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in alternatives]})
+        return {"content": content}
+
+    def _record(self, session: str, request_id: str, prompt_len: int, outputs: list[Output]) -> None:
+        turns = self.sessions.pop(session, [])
+        turns.extend({"request_id": request_id, "index": i, "prompt_len": prompt_len, "token_ids": out.token_ids,
+                      "versions": out.versions} for i, out in enumerate(outputs))
+        self.sessions[session] = turns[-MAX_SESSION_TURNS:]
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+
+    async def session(self, http: web.Request) -> web.Response:
+        """The turns generated under one ``X-Session-ID``: token ids and the policy version of each token."""
+        session = http.match_info["session_id"]
+        if session not in self.sessions:
+            raise web.HTTPNotFound()
+        return web.json_response({"session_id": session, "turns": self.sessions[session]})
+
+    async def forget_session(self, http: web.Request) -> web.Response:
+        self.sessions.pop(http.match_info["session_id"], None)
+        return web.json_response({"status": "ok"})
