@@ -148,6 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
     inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
     inference.set_defaults(func=cmd_inference)
 
+    serve = commands.add_parser("serve", help="serve a saved model directory over the OpenAI API (like vllm serve)",
+                                description="The builtin inference server alone on DIR (config.json, safetensors, "
+                                "tokenizer): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's "
+                                "/inference/v1/generate, and i3core's weight endpoints. See docs/serving.md.")
+    serve.add_argument("model_dir", type=Path, metavar="DIR", help="the model directory (save_hf / save_pretrained)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--max-slots", type=int, default=64, help="sequences decoded together")
+    serve.add_argument("--max-len", type=int, default=2048, help="longest prompt + completion, in tokens")
+    serve.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    serve.add_argument("--model", default="tiny-moe", metavar="NAME",
+                       help="the [model] component that reads DIR (any installed model plugin)")
+    serve.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of that component (repeatable; values parse as TOML)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and responses echo (default: DIR)")
+    serve.set_defaults(func=cmd_serve)
+
     orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
                                        description="Drive rollouts on the given inference servers and feed the "
                                        "trainer through the shared output_dir.")
@@ -248,6 +266,36 @@ def cmd_inference(args: argparse.Namespace) -> int:
 
     config, _ = _role_config(args)
     return roles.serve(config, args.index, args.port, args.host)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Check everything a user can get wrong here, then become the server (replaces this process)."""
+    import tomllib
+
+    from i3core.config import build_component
+    from i3core.manager import load_plugins
+
+    if not (args.model_dir / "config.json").is_file():
+        raise I3Error(f"{args.model_dir} is not a model directory (no config.json)")
+    options = {}
+    for item in args.model_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise I3Error(f"--model-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            options[key] = value  # a bare string
+    plugins = load_plugins()
+    model = {"use": args.model, **options}
+    build_component("model", model, plugins)  # an unknown component or a bad option: exit 2, one line each
+    source = build_component("inference", {"use": "builtin", "servers": 1, "host": args.host, "restarts": 0,
+                                           "max_slots": args.max_slots, "max_len": args.max_len,
+                                           "threads": args.threads, "served_model_name": args.served_model_name},
+                             plugins)
+    cmd = source.command(0, args.port, args.model_dir.resolve(), 0, None, model)
+    print(f"i3core serve: {args.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:

@@ -203,6 +203,8 @@ class BuiltinSource(ServerProcesses):
 
     class Config(ServerConfig):
         threads: int = Field(1, ge=1, description="torch CPU threads per server.")
+        served_model_name: str | None = Field(
+            None, description="The model name the servers answer to and echo in responses (default: its directory).")
 
     def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
                 model: dict | None = None) -> list[str]:
@@ -211,6 +213,7 @@ class BuiltinSource(ServerProcesses):
             "--model-dir", str(model_dir), "--host", self.config.host, "--port", str(port),
             "--max-slots", str(self.config.max_slots), "--max-len", str(self.config.max_len),
             "--threads", str(self.config.threads), "--version", str(version), *model_args(model),
+            *(["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []),
             *receiver_args(receiver, index),
         ]  # fmt: skip
 

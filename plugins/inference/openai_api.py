@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -49,6 +49,20 @@ SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 4096
 """Sessions whose versions are kept (the oldest is forgotten first): an env adapter reads its own at once."""
 MAX_SESSION_TURNS = 1024
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (what ``tokenizers``' ByteLevel pre-tokenizer maps to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = _byte_level_table()
 
 
 @dataclass
@@ -260,8 +274,17 @@ class OpenAIRoutes:
         return {"content": content, "refusal": None}
 
     def _token_entry(self, token: int, logprob: float) -> dict:
-        text = self._token_text(token)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+        return {"token": self._token_text(token), "logprob": finite(logprob), "bytes": self._token_bytes(token)}
+
+    def _token_bytes(self, token: int) -> list[int]:
+        """The token's own bytes: exact for a byte-level tokenizer (a token may hold part of a character),
+        else its text in UTF-8."""
+        tokenizer = self.server.tokenizer
+        if type(getattr(tokenizer, "decoder", None)).__name__ == "ByteLevel":
+            piece = tokenizer.id_to_token(token) or ""
+            if all(ch in _UNICODE_TO_BYTE for ch in piece):
+                return [_UNICODE_TO_BYTE[ch] for ch in piece]
+        return list(self._token_text(token).encode("utf-8", "surrogatepass"))
 
     def _token_text(self, token: int) -> str:
         return self.server.tokenizer.decode([token], skip_special_tokens=False)

@@ -259,7 +259,8 @@ def model_component(name: str, options: dict, plugins=None) -> Model:
     return build_component("model", {"use": name, **options}, plugins if plugins is not None else load_plugins())
 
 
-def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int) -> Server:
+def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int,
+                   served_name: str | None = None) -> Server:
     """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
     directory ``model_dir``.
 
@@ -270,7 +271,7 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
         raise I3Error(f"model {type(model).__name__} cannot be served by the builtin server (no "
                       f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
     engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version)
-    return Server(engine, model, str(model_dir))
+    return Server(engine, model, served_name or str(model_dir))
 
 
 async def _json_body(http: web.Request) -> dict:
@@ -358,6 +359,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--model", default="tiny-moe", help="the model component that serves the directory")
     parser.add_argument("--model-options", default="{}", help="that component's Config fields as JSON")
+    parser.add_argument("--served-model-name", default=None, help="the name responses echo (default: the directory)")
     parser.add_argument("--engine", choices=("model", "simulated"), default="model",
                         help="what generates: the model's own engine, or the simulated one")
     parser.add_argument("--timing", default="{}", help="simulated engine: TimingModel fields as JSON")
@@ -372,7 +374,9 @@ def main(argv=None) -> None:
     except I3Error as exc:  # one line in the server's log; the source reports the exit
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
-    web.run_app(make_app(server, receiver), host=args.host, port=args.port, print=None, access_log=None)
+    announce = f"i3core server: {server.model_name} on http://{args.host}:{args.port}"
+    web.run_app(make_app(server, receiver), host=args.host, port=args.port, access_log=None,
+                print=lambda _: print(announce, flush=True))
 
 
 def _build(args: argparse.Namespace) -> tuple[Server, object]:
@@ -385,10 +389,10 @@ def _build(args: argparse.Namespace) -> tuple[Server, object]:
         engine = simulated_engine(args.model_dir, model, TimingModel.model_validate_json(args.timing),
                                   max_slots=args.max_slots, max_len=args.max_len, version=args.version,
                                   index=args.index)
-        server = Server(engine, model, f"simulated:{args.model_dir}")
+        server = Server(engine, model, args.served_model_name or f"simulated:{args.model_dir}")
     else:
         server = builtin_server(args.model_dir, model, max_slots=args.max_slots, max_len=args.max_len,
-                                version=args.version)
+                                version=args.version, served_name=args.served_model_name)
     receiver = None
     if args.receiver is not None:
         receiver = connect_receiver(json.loads(args.receiver), args.receiver_rank, plugins)

@@ -1,0 +1,366 @@
+"""`i3core serve` judged by the official `openai` client (sync and async) and by vLLM's token-in wire format.
+
+Two servers: `i3core serve` as a user runs it, on a saved tiny-moe (random weights: the text is noise, the shapes
+and the equalities are what is checked), and, for what needs known output (tool calls, stop strings), the same
+server code in-process over a scripted model plugin that writes a fixed text after the prompt.
+"""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from i3core import hookimpl
+from i3core.plugins.inference.server import builtin_server, make_app, model_component
+from i3core.plugins.models.tiny_moe import TinyMoE
+from i3core.testing import make_component, plugin_manager
+
+SMALL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
+         "experts_per_token": 1, "moe_intermediate_size": 32}
+NAME = "tiny-served"
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Reverse 'abc'."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``i3core serve DIR`` in a subprocess; yields (base URL, model dir)."""
+    directory = tmp_path_factory.mktemp("served") / "model"
+    model = make_component("model", "tiny-moe", **SMALL)
+    model.save_hf(model.build(seed=0), directory)
+    port = _free_port()
+    args = ["--model-option", f"hidden_size={SMALL['hidden_size']}"]  # the options reach the component
+    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
+                             "--max-len", "1024", "--served-model-name", NAME, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        yield url, directory
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+
+
+def test_models_lists_the_served_name_and_its_context(client):
+    (card,) = client.models.list().data
+    assert card.id == NAME and card.model_extra["max_model_len"] == 1024
+
+
+def test_completions_strict_with_logprobs_in_openai_shape(client):
+    raw = client.completions.with_raw_response.create(model=NAME, prompt="abc", max_tokens=6, temperature=0,
+                                                      logprobs=3)
+    data = json.loads(raw.text)
+    completion = Completion.model_validate(data, strict=True)
+    assert completion.id.startswith("cmpl-") and completion.model == NAME and completion.object == "text_completion"
+    (choice,) = completion.choices
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 6
+    assert len(logprobs.top_logprobs) == 6 and all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens == 9
+    assert len(data["choices"][0]["versions"]) == len(data["choices"][0]["token_ids"]) == 6  # i3core's extras
+    assert choice.finish_reason == "length"
+
+
+def test_chat_strict_with_logprobs_and_text_parts(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=NAME, messages=MESSAGES, max_completion_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    chat = ChatCompletion.model_validate(json.loads(raw.text), strict=True)
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion" and chat.model == NAME
+    (choice,) = chat.choices
+    content = choice.logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 2 and entry.bytes for entry in content)
+    assert all(entry.top_logprobs[0].logprob == entry.logprob for entry in content)  # greedy: the most likely
+    assert bytes(b for entry in content for b in entry.bytes).decode("utf-8", "replace") == choice.message.content
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Reverse "},
+                                                       {"type": "text", "text": "'abc'."}]}]
+    same = client.chat.completions.create(model=NAME, messages=parts, max_completion_tokens=5, temperature=0)
+    assert same.choices[0].message.content == choice.message.content
+    assert same.usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_streamed_answers_equal_the_whole_ones(client):
+    whole = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    text = client.completions.create(model=NAME, prompt="abc", max_tokens=10, temperature=0).choices[0].text
+    pieces = client.completions.create(model=NAME, prompt="abc", max_tokens=10, temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in pieces) == text
+
+
+def test_sampling_settings_seed_n_and_top_k(client):
+    def sample(**kw):
+        out = client.completions.create(model=NAME, prompt="abc", max_tokens=8, **kw)
+        return [c.model_extra["token_ids"] for c in out.choices]
+
+    assert sample(seed=7, n=2) == sample(seed=7, n=2)  # seeded: reproducible
+    first, second = sample(seed=7, n=2)
+    assert first != second  # choice i samples with seed + i
+    greedy = sample(temperature=0)
+    assert sample(extra_body={"top_k": 1}, temperature=1.0, seed=3) == greedy  # top_k = 1 is greedy
+    assert sample(top_p=1e-6, temperature=1.0, seed=3) == greedy  # so is a nucleus of one token
+    narrow = client.completions.create(model=NAME, prompt="abc", max_tokens=8, extra_body={"top_k": 1}, seed=3,
+                                       logprobs=0)
+    assert narrow.choices[0].logprobs.token_logprobs == pytest.approx([0.0] * 8, abs=1e-6)  # renormalised
+
+
+def test_tool_calls_and_tool_messages_are_rendered_by_the_chat_template(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "reverse", "arguments": '{"text": "abc"}'}}
+    tools = [{"type": "function", "function": {"name": "reverse", "description": "Reverse a string.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "cba"}]
+    out = client.chat.completions.create(model=NAME, messages=messages, tools=tools, max_completion_tokens=2)
+    rendered = TinyMoE.render_chat([*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                    {"role": "tool", "tool_call_id": "call_1", "content": "cba"}], tools)
+    assert "cba" in rendered and '"name": "reverse"' in rendered and "<tools>" in rendered
+    assert out.usage.prompt_tokens == len(TinyMoE(TinyMoE.Config()).tokenizer().encode(rendered).ids)
+
+
+def test_sixteen_concurrent_streamed_chats(served):
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+        prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(16)]
+
+        async def streamed(messages):
+            stream = await client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=16,
+                                                          temperature=0, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        async def whole(messages):
+            out = await client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=16,
+                                                       temperature=0)
+            return out.choices[0].message.content
+
+        streams = await asyncio.gather(*(streamed(m) for m in prompts))
+        wholes = await asyncio.gather(*(whole(m) for m in prompts))
+        await client.close()
+        return streams, wholes
+
+    streams, wholes = asyncio.run(scenario())
+    assert streams == wholes
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+    ({"logit_bias": {"5": 3}}, "logit_bias is not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice must be"),
+    ({"extra_body": {"max_tokns": 3}}, "did you mean 'max_tokens'"),
+    ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
+    ({"temperature": -1}, "temperature must be a finite number >= 0"),
+])
+def test_refused_fields_are_400s_naming_them_and_the_server_keeps_serving(client, kwargs, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=2, **kwargs)
+    assert client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=2).choices
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=2, presence_penalty=0,
+                                         frequency_penalty=0, response_format={"type": "text"}, user="u1")
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_token_in_generate_as_vllm_serves_it_with_session_versions(served):
+    url, _ = served
+    body = {"model": NAME, "token_ids": [97, 98, 99],
+            "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 1, "stop_token_ids": [],
+                                "skip_special_tokens": False}}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/inference/v1/generate", json=body,
+                                    headers={"X-Session-ID": "episode-1"}) as response:
+                assert response.status == 200
+                data = await response.json()
+            async with session.get(url + "/inference/v1/sessions/episode-1") as response:
+                record = await response.json()
+            async with session.delete(url + "/inference/v1/sessions/episode-1") as response:
+                assert response.status == 200
+            async with session.get(url + "/inference/v1/sessions/episode-1") as response:
+                assert response.status == 404
+        return data, record
+
+    data, record = asyncio.run(scenario())
+    (choice,) = data["choices"]
+    assert data["prompt_token_ids"] == [97, 98, 99] and len(choice["token_ids"]) == 5
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]  # what renderers reads
+    assert all(len(e["top_logprobs"]) == 1 for e in content)
+    (turn,) = record["turns"]
+    assert turn["token_ids"] == choice["token_ids"] and turn["versions"] == [0] * 5 and turn["prompt_len"] == 3
+    completions = openai.OpenAI(base_url=url + "/v1", api_key="none").completions.create(
+        model=NAME, prompt=[97, 98, 99], max_tokens=5, temperature=0)
+    assert completions.choices[0].model_extra["token_ids"] == choice["token_ids"]
+
+
+# -- a scripted model: known output for tool calls and stop strings ---------------------------------------------
+
+
+class ScriptedLM(nn.Module):
+    """Writes ``script`` (token ids) from position ``start`` on, whatever the prompt: token at position ``p``
+    predicts ``script[p + 1 - start]``. Logits are one-hot times 50, so greedy and sampling agree."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.dummy = nn.Parameter(torch.zeros(1))
+        self.script, self.start = [], 0
+
+    def _hidden(self, positions):
+        out = torch.zeros(*positions.shape, self.vocab_size)
+        for index, position in enumerate(positions.reshape(-1).tolist()):
+            k = position + 1 - self.start
+            if 0 <= k < len(self.script):
+                out.view(-1, self.vocab_size)[index, self.script[k]] = 50.0
+        return out
+
+    def forward(self, input_ids, position_ids):
+        return self._hidden(position_ids)
+
+    def logits(self, hidden):
+        return hidden
+
+    def new_kv_cache(self, slots, max_len):
+        return None
+
+    def forward_cached(self, input_ids, positions, cache, slots):
+        return self._hidden(positions)
+
+    def state_dict_from_hf(self, tensors):
+        return {"dummy": tensors["dummy"]}
+
+
+class Scripted(TinyMoE):
+    """tiny-moe's tokenizer and chat template over :class:`ScriptedLM`."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    def load_hf(self, path):
+        return ScriptedLM(self.tokenizer().get_vocab_size())
+
+
+class ScriptedPlugin:
+    @hookimpl
+    def i3_register_models(self, register):
+        register("scripted", Scripted)
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    """An in-process server over the scripted model; yields (async client factory, set_script(messages, text))."""
+    component = model_component("scripted", {}, plugin_manager(ScriptedPlugin(), installed=False))
+    (tmp_path / "config.json").write_text("{}")
+    server = builtin_server(tmp_path, component, max_slots=4, max_len=512, version=0, served_name="scripted")
+    tokenizer = component.tokenizer()
+
+    def set_script(messages, text, tools=None):
+        model = server.engine.model
+        model.start = len(tokenizer.encode(component.render_chat(messages, tools)).ids)
+        model.script = [*tokenizer.encode(text).ids, *component.end_of_turn_ids]
+
+    async def start():
+        http = TestServer(make_app(server), host="127.0.0.1")
+        await http.start_server()
+        return http, openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="none", max_retries=0)
+
+    return start, set_script
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+CALLING = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def test_tool_calls_are_parsed_into_message_tool_calls_streamed_or_not(scripted):
+    start, set_script = scripted
+    messages = [{"role": "user", "content": "2 + 3?"}]
+    set_script(messages, CALLING, TOOLS)
+
+    async def scenario():
+        http, client = await start()
+        try:
+            whole = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                         temperature=0)
+            stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                          temperature=0, stream=True)
+            chunks = [c async for c in stream]
+            set_script(messages, CALLING)  # the same text without tools offered: no calls read out of it
+            plain = await client.chat.completions.create(model="scripted", messages=messages, temperature=0)
+        finally:
+            await client.close()
+            await http.close()
+        return whole, chunks, plain
+
+    whole, chunks, plain = asyncio.run(scenario())
+    ChatCompletion.model_validate(whole.model_dump(), strict=True)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed.strip() == "Let me add." and "<tool_call" not in streamed  # the call is not streamed as text
+    (streamed_call,) = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert streamed_call.function.name == "add" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].message.content == CALLING and plain.choices[0].finish_reason == "stop"  # no tools
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(scripted):
+    start, set_script = scripted
+    messages = [{"role": "user", "content": "count"}]
+    set_script(messages, "one, two, three, four")
+
+    async def scenario():
+        http, client = await start()
+        try:
+            whole = await client.chat.completions.create(model="scripted", messages=messages, stop=[", thr", "zzz"],
+                                                         temperature=0)
+            stream = await client.chat.completions.create(model="scripted", messages=messages, stop=", thr",
+                                                          temperature=0, stream=True)
+            streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        finally:
+            await client.close()
+            await http.close()
+        return whole, streamed
+
+    whole, streamed = asyncio.run(scenario())
+    assert whole.choices[0].message.content == "one, two" and whole.choices[0].finish_reason == "stop"
+    assert streamed == "one, two"
+    assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
