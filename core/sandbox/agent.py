@@ -42,7 +42,7 @@ from pydantic import ValidationError
 from i3core.sandbox import nsexec
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox.base import AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox.base import AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, exec_timeout, open_dir_beneath
 
 log = structlog.get_logger("i3core.sandbox_agent")
 
@@ -133,12 +133,9 @@ class Agent:
             return _error(400, f"unknown fields: {', '.join(sorted(unknown))}")
         try:
             args = argv(body["cmd"])
-        except (ValueError, TypeError) as exc:
+            timeout = exec_timeout(body.get("timeout"), self.jail.limits.timeout_s)
+        except ValueError as exc:
             return _error(400, str(exc))
-        timeout = body.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or
-                                    not 0 < timeout < float("inf")):  # fmt: skip
-            return _error(400, f"timeout must be a positive number of seconds, got {timeout!r}")
         nsexec.check_alive(self.pidfd, "the target")
         try:
             result = await self.server.exec(self.jail, args, timeout)

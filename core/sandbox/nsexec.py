@@ -31,6 +31,7 @@ address-space rlimit per process instead and ``oom_killed`` is None.
 """
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -45,7 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from i3core.errors import SandboxError
-from i3core.sandbox.base import SandboxConfig, as_bytes, decode, read_beneath, read_capped, relative_path, write_beneath
+from i3core.sandbox.base import (
+    SandboxConfig, as_bytes, decode, exec_timeout, read_beneath, read_capped, relative_path, write_beneath,
+)
 from i3core.types import ExecResult
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -59,8 +62,8 @@ SOCKET_BUFFER_BYTES = 4 << 20
 """Send buffer of the request socket: room for requests queued while the server forks, and for a long argv."""
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 """Linux socket options that let root go past net.core.wmem_max/rmem_max (2 MiB requests need it)."""
-MAX_REQUEST_BYTES = 2 << 20
-"""Largest exec request (argv and environment as JSON): execve's own limit on arguments is 2 MiB."""
+MAX_REQUEST_BYTES = SOCKET_BUFFER_BYTES - (64 << 10)
+"""Largest request datagram: room for a checked argv (2 MiB, base64: 2.7 MiB) and the environment."""
 SEND_RETRY_S = 0.001
 STOP_WAIT_S = 30.0
 """How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
@@ -390,11 +393,9 @@ class NsExec:
         :raises SandboxError: the target died while the command ran (which ended the command too, when the target
             is its pid namespace's init): the sandbox failed, the command has no result.
         """
-        timeout = jail.limits.timeout_s if timeout is None else timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+        timeout = exec_timeout(timeout, jail.limits.timeout_s)
         request = {"op": "exec", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "cwd": jail.limits.workdir,
-                   "argv": args, "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
+                   "argv": encode_argv(args), "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
                    "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else []}  # fmt: skip
         oom_before = jail.cgroup.oom_kills() if jail.cgroup else None
         out_r, out_w = os.pipe()
@@ -451,6 +452,12 @@ class NsExec:
             truncated=out_cut or err_cut,
             duration_s=duration,
         )
+
+
+def encode_argv(args: list[str]) -> str:
+    """``args`` as the fork server takes them: UTF-8, NUL-separated, base64 (the child execs the bytes as they are,
+    with no codec of the host's interpreter; JSON escapes would swell control characters sixfold)."""
+    return base64.b64encode(b"\0".join(arg.encode() for arg in args)).decode()
 
 
 def _retrieved(future: asyncio.Future) -> None:

@@ -38,6 +38,8 @@ Operations (``op``):
 - ``probe``: whether this host lets us make the namespaces.
 """
 
+import array  # noqa: F401  (socket.recv_fds imports it on first use, after imports are refused)
+import base64
 import ctypes
 import errno
 import fcntl
@@ -284,12 +286,35 @@ def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int
     os.dup2(err, 2)
     os.closerange(3, status)
     os.closerange(status + 1, 1 << 16)
-    argv = req["argv"]
+    argv = base64.b64decode(req["argv"]).split(b"\0")
+    env = {key.encode(): value.encode() for key, value in req["env"].items()}
     try:
-        os.execvpe(argv[0], argv, req["env"])
+        exec_program(argv, env)
     except OSError as exc:
-        os.write(2, f"{argv[0]}: {exc.strerror}\n".encode())
+        os.write(2, argv[0] + f": {exc.strerror}\n".encode())
         os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+
+def exec_program(argv: list[bytes], env: dict[bytes, bytes]) -> None:
+    """``execve`` ``argv[0]``, looked up in the command's own ``PATH`` when it holds no slash, as a shell does.
+
+    Only ``os.execve``: ``os.execvpe`` imports ``warnings`` on its way, from the host interpreter's standard
+    library, which the sandbox's root does not hold (pyenv, uv, conda). :raises OSError: no candidate ran (ENOENT
+    if none exists, else the first other error, as ``execvp``).
+    """
+    name = argv[0]
+    if not name:
+        raise OSError(errno.ENOENT, os.strerror(errno.ENOENT))
+    if b"/" in name:
+        os.execve(name, argv, env)
+    first_error = None
+    for directory in env.get(b"PATH", b"").split(b":"):
+        try:
+            os.execve((directory or b".") + b"/" + name, argv, env)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR) and first_error is None:
+                first_error = exc
+    raise first_error or OSError(errno.ENOENT, os.strerror(errno.ENOENT))
 
 
 def op_exec(req: dict, fds: list[int], devnull: int, own_netns: bool, pidfd: int) -> None:
@@ -464,7 +489,18 @@ def reap(waiting: dict[int, int]) -> None:
             os.close(status)
 
 
+class NoImports:
+    """A meta path finder that refuses every import: after start the server and its children import nothing, so no
+    child ever reads the host interpreter's library after entering a sandbox's root (tests fail loudly if one
+    tries, on any interpreter)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        raise ImportError(f"i3core.sandbox.nsfork imports nothing once started (tried {name!r})")
+
+
 def main() -> None:
+    sys.meta_path.insert(0, NoImports)
     sock = socket.socket(fileno=int(sys.argv[1]))
     os.set_inheritable(sock.fileno(), False)
     serve(sock, own_netns="--own-netns" in sys.argv[2:])

@@ -84,7 +84,7 @@ from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError
 from i3core.sandbox.base import (
-    READ_CHUNK, SandboxBase, SandboxConfig, argv, as_bytes, decode, empty_dir_fd, open_dir_beneath, read_beneath,
+    READ_CHUNK, SandboxBase, SandboxConfig, as_bytes, check_exec, decode, empty_dir_fd, open_dir_beneath, read_beneath,
     relative_path, write_beneath,
 )  # fmt: skip
 from i3core.types import ExecResult
@@ -314,9 +314,11 @@ class DockerSandbox(SandboxBase):
     # -- commands ---------------------------------------------------------------------------------
 
     async def exec(self, cmd, timeout: float | None = None) -> ExecResult:
-        args = argv(cmd)
         self._check_open()
-        timeout = self.config.timeout_s if timeout is None else timeout
+        checked = check_exec(cmd, timeout, self.config.timeout_s)
+        if isinstance(checked, ExecResult):
+            return checked
+        args, timeout = checked
         oom_before = _read_oom_kills(self._cgroup.oom_counter)
         start = time.monotonic()
         exec_id, stream = await self.backend._call(self._start, args)

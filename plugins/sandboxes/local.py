@@ -48,7 +48,6 @@ the backend starts; without namespaces it refuses to start.
 import asyncio
 import os
 import select
-import shutil
 import signal
 import threading
 import time
@@ -62,7 +61,7 @@ from pydantic import Field
 from i3core.sandbox import nsexec
 from i3core.errors import SandboxError
 from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox.base import SandboxBase, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox.base import SandboxBase, SandboxConfig, check_exec, empty_dir_fd, open_dir_beneath, remove_tree
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.local")
@@ -94,7 +93,10 @@ class LocalSandbox(SandboxBase):
 
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None) -> ExecResult:
         self._check_open()
-        return await self._nsexec.exec(self._jail, argv(cmd), timeout)
+        checked = check_exec(cmd, timeout, self._jail.limits.timeout_s)
+        if isinstance(checked, ExecResult):
+            return checked
+        return await self._nsexec.exec(self._jail, *checked)
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
@@ -151,7 +153,7 @@ class LocalSandbox(SandboxBase):
             os.close(self._pidfd)
         if self._jail.cgroup is not None:
             await self._jail.cgroup.remove()
-        await asyncio.to_thread(shutil.rmtree, self._base)
+        await asyncio.to_thread(remove_tree, self._base)
 
 
 class LocalBackend:
@@ -203,7 +205,7 @@ class LocalBackend:
             try:
                 Path(self.config.root_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
                 nsexec.sweep_stale(list(self.cgroup_parents.values()), "local", Path.rmdir)
-                nsexec.sweep_stale([Path(self.config.root_dir)], "local", shutil.rmtree)
+                nsexec.sweep_stale([Path(self.config.root_dir)], "local", remove_tree)
             except OSError as exc:
                 server.close()
                 raise SandboxError(f"local sandboxes: cannot use root_dir {self.config.root_dir}: "
@@ -234,7 +236,10 @@ class LocalBackend:
         except BaseException:
             if cgroup is not None:
                 cgroup.remove_now()
-            shutil.rmtree(base, ignore_errors=True)
+            try:
+                remove_tree(base)
+            except OSError:
+                pass
             raise
         jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=base / "work", pidfd=pidfd,
                     cgroup=cgroup)  # fmt: skip
