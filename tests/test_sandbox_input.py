@@ -119,3 +119,49 @@ def test_empty_dir_fd_handles_any_depth_and_keeps_the_top(tmp_path):
     finally:
         os.close(fd)
     assert list(tmp_path.iterdir()) == [] and os.path.isdir("/etc")
+
+
+FD_CYCLE = """
+import os, socket
+a, b = socket.socketpair()
+print("before", flush=True)
+socket.send_fds(a, [b"x"], [a.fileno(), b.fileno(), 1, 2])  # a and b in flight in b's queue: a cycle
+a.close(); b.close()
+os.close(1); os.close(2)
+"""
+
+
+def test_pipes_held_in_a_descriptor_cycle_end_the_exec_at_its_timeout(backend):
+    """No process holds the output pipes any more, only a unix socket in flight that nothing references: the
+    exec ends at its timeout (plus a grace), with the output that came, instead of failing long after."""
+    async def go():
+        async with await backend.create() as sb:
+            start = asyncio.get_running_loop().time()
+            result = await sb.exec(["python3", "-c", FD_CYCLE], timeout=2)
+            took = asyncio.get_running_loop().time() - start
+            assert took < 8, took
+            assert result.stdout == "before\n", result
+            assert await sb.alive() and (await sb.exec("echo ok")).stdout == "ok\n"
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_an_output_flood_costs_the_host_little(backend):
+    """Past max_output_bytes, output is dropped by the kernel at a bounded pace: the host process spends a small
+    fraction of a core on a sandbox that writes as fast as it can."""
+    import resource
+
+    async def go():
+        async with await backend.create() as sb:
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            result = await sb.exec("cat /dev/zero", timeout=3)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            assert result.timed_out and result.truncated and len(result.stdout) == sb_cap(backend), result.exit_code
+            used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            assert used < 0.9, f"the host spent {used:.2f} s of CPU on 3 s of flood"
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def sb_cap(backend) -> int:
+    return backend.config.max_output_bytes

@@ -5,8 +5,8 @@ agent gives commands a fresh network namespace instead), its root and work
 directory, as an unprivileged uid/gid with no capabilities and no_new_privs,
 with rlimits, a clean environment (PATH, HOME=workdir, LANG; never the
 host's), stdin from /dev/null and stdout/stderr read through
-:func:`~i3core.sandbox.base.read_capped` (a gigabyte of output is read and dropped,
-the writer never blocks). On a timeout every process of the sandbox but its
+:func:`~i3core.sandbox.base.pump` (a gigabyte of output is dropped at a bounded cost to the
+host, the writer never blocks for good). On a timeout every process of the sandbox but its
 init is killed: ``kill(-1, SIGKILL)`` as the sandbox uid inside its pid
 namespace, which reaches every process the sandbox started (they all run as
 that uid) and nothing else (the init and the agent run as root). A target
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from i3core.errors import SandboxError
 from i3core.sandbox.base import (
-    SandboxConfig, as_bytes, decode, exec_timeout, read_beneath, read_capped, relative_path, write_beneath,
+    Captured, SandboxConfig, as_bytes, decode, exec_timeout, pump, read_beneath, relative_path, write_beneath,
 )
 from i3core.types import ExecResult
 
@@ -67,6 +67,9 @@ MAX_REQUEST_BYTES = SOCKET_BUFFER_BYTES - (64 << 10)
 SEND_RETRY_S = 0.001
 STOP_WAIT_S = 30.0
 """How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
+OUTPUT_GRACE_S = 1.0
+"""After a timeout killed every process, how long output pipes may stay open before what they gave is taken as all:
+past it only a descriptor in flight in a unix socket (a cycle the kernel collects late) holds one."""
 SERVER_WAIT_S = 60.0
 """How long a probe, a creation or a kill may take before the fork server counts as stuck (hundreds of creations
 at once on two loaded cores take seconds each)."""
@@ -398,42 +401,52 @@ class NsExec:
                    "argv": encode_argv(args), "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
                    "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else []}  # fmt: skip
         oom_before = jail.cgroup.oom_kills() if jail.cgroup else None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        out_r, out_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        os.set_blocking(out_w, True)
+        os.set_blocking(err_w, True)
+        out, err = Captured(jail.limits.max_output_bytes), Captured(jail.limits.max_output_bytes)
         start = time.monotonic()
-        transports = []
+        try:
+            status_r = await self._send(request, [os.dup(jail.pidfd), out_w, err_w])
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        outputs = asyncio.gather(pump(out_r, out), pump(err_r, err))
+        outputs.add_done_callback(_retrieved)  # cancelled from any side (the caller, a loop shutting down): no warning
+        reader, transport = await _pipe_reader(status_r)
+        status_task = asyncio.ensure_future(reader.read())
+        status_task.add_done_callback(_retrieved)
+        finished = asyncio.gather(outputs, status_task)
+        finished.add_done_callback(_retrieved)
+        timed_out = False
         try:
             try:
-                status_r = await self._send(request, [os.dup(jail.pidfd), out_w, err_w])
-            except BaseException:
-                os.close(out_r)
-                os.close(err_r)
-                raise
-            readers = []
-            for fd in (out_r, err_r, status_r):
-                reader, transport = await _pipe_reader(fd)
-                readers.append(reader)
-                transports.append(transport)
-            cap = jail.limits.max_output_bytes
-            done = asyncio.gather(read_capped(readers[0], cap), read_capped(readers[1], cap), readers[2].read())
-            done.add_done_callback(_retrieved)  # cancelled from any side (the caller, a loop shutting down): no warning
-            timed_out = False
-            try:
-                (out, out_cut), (err, err_cut), status = await asyncio.wait_for(asyncio.shield(done), timeout)
+                await asyncio.wait_for(asyncio.shield(finished), timeout)
             except TimeoutError:
                 timed_out = True
                 await self.kill_all(jail)
-                try:
-                    (out, out_cut), (err, err_cut), status = await asyncio.wait_for(done, STOP_WAIT_S)
+                try:  # what the killed processes wrote; a pipe still open now is held by no process (an fd in flight
+                    await asyncio.wait_for(asyncio.shield(outputs), OUTPUT_GRACE_S)  # in a unix socket): dropped
                 except TimeoutError:
-                    raise SandboxError(f"output still open {STOP_WAIT_S:g}s after the command was killed") from None
+                    pass
+                try:
+                    await asyncio.wait_for(asyncio.shield(status_task), STOP_WAIT_S)
+                except TimeoutError:
+                    raise SandboxError(f"no exit status {STOP_WAIT_S:g}s after the command was killed") from None
             except asyncio.CancelledError:
-                done.cancel()
+                outputs.cancel()
+                status_task.cancel()
                 await self.kill_all(jail)
                 raise
         finally:
-            for transport in transports:
-                transport.close()
+            outputs.cancel()
+            await asyncio.wait([outputs])  # the pumps have let go of the pipes (done, or cancelled before starting)
+            os.close(out_r)
+            os.close(err_r)
+            transport.close()
+        status = status_task.result()
         duration = time.monotonic() - start
         if exiting(jail.pid, jail.pidfd):  # a command killed with its sandbox is no result of the model's code
             raise SandboxError("running the command: the sandbox died while it ran (its target process is gone)")
@@ -445,11 +458,11 @@ class NsExec:
         oom_after = jail.cgroup.oom_kills() if jail.cgroup else None
         return ExecResult(
             exit_code=None if timed_out else os.waitstatus_to_exitcode(exits[0]),
-            stdout=decode(out),
-            stderr=decode(err),
+            stdout=decode(out.kept),
+            stderr=decode(err.kept),
             timed_out=timed_out,
             oom_killed=None if oom_before is None or oom_after is None else oom_after > oom_before,
-            truncated=out_cut or err_cut,
+            truncated=out.truncated or err.truncated,
             duration_s=duration,
         )
 
