@@ -105,13 +105,16 @@ def test_a_deep_tree_is_reset_and_the_pool_reuses_its_sandbox(backend):
 def test_empty_dir_fd_handles_any_depth_and_keeps_the_top(tmp_path):
     import os
 
-    path = tmp_path
-    for index in range(DEEP):
-        path = path / "d"
-        os.mkdir(path)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    for index in range(DEEP):  # relative to a descriptor: the whole path is far past PATH_MAX
+        os.mkdir("d", dir_fd=fd)
         if index % 500 == 0:
-            (path / "f").write_text("x")
-            os.symlink("/etc", path / "link")
+            os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+            os.symlink("/etc", "link", dir_fd=fd)
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
     (tmp_path / "file").write_text("x")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
