@@ -393,6 +393,18 @@ def _unlink_files(dir_fd: int) -> list[str]:
     return subdirs
 
 
+def restore_dir(dir_fd: int, uid: int, gid: int, mode: int) -> None:
+    """Give the directory ``dir_fd`` back its owner and mode and drop every extended attribute (ACLs included) a
+    command set on it: what ``reset`` leaves must not depend on the rollout before."""
+    os.fchown(dir_fd, uid, gid)
+    os.fchmod(dir_fd, mode)
+    for name in os.listxattr(dir_fd):
+        try:
+            os.removexattr(dir_fd, name)
+        except OSError:  # security.* labels of the host's LSM are not ours to drop
+            pass
+
+
 def remove_tree(path: str | Path) -> None:
     """Remove the directory ``path`` and everything in it, at any depth (:func:`empty_dir_fd`); absent: nothing."""
     try:

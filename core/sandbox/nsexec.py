@@ -156,7 +156,8 @@ class Cgroup:
         cgroup = cls({})
         settings = {
             "memory": [("memory.limit_in_bytes", limits.memory_mb << 20),
-                       ("memory.memsw.limit_in_bytes", limits.memory_mb << 20)],  # no swap on top; absent: skipped
+                       ("memory.memsw.limit_in_bytes", limits.memory_mb << 20),  # no swap on top; absent: skipped
+                       ("memory.kmem.tcp.limit_in_bytes", limits.memory_mb << 20)],  # TCP buffers charged, capped
             "pids": [("pids.max", limits.pids)],
             "cpu": [("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", math.ceil(limits.cpus * CPU_PERIOD_US))],
         }  # fmt: skip
@@ -383,9 +384,10 @@ class NsExec:
                 return int(pid), int(uid)
         raise SandboxError("starting the sandbox: the fork server gave no pid")
 
-    async def kill_all(self, jail: Jail) -> None:
-        """Kill every process running as the jail's uid in its pid namespace (all of the sandbox but its init)."""
-        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid}
+    async def kill_all(self, jail: Jail, clean: bool = False) -> None:
+        """Kill every process running as the jail's uid in its pid namespace (all of the sandbox but its init); with
+        ``clean`` (a reset), then empty its IPC namespace and the uid's user keyrings."""
+        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "clean": clean}
         for kind, rest in await self._call(request, "killing the sandbox's processes", [os.dup(jail.pidfd)]):
             if kind == "X" and os.waitstatus_to_exitcode(int(rest)) != 0:
                 raise SandboxError("processes of the sandbox survived being killed")

@@ -541,6 +541,7 @@ class _Cgroup:
     """The container's cgroup as the host sees it (v1 hierarchies or v2), read through /sys/fs/cgroup."""
 
     def __init__(self, init_pid: int):
+        self.init_pid = init_pid
         v1: dict[str, Path] = {}
         unified = None
         for line in Path(f"/proc/{init_pid}/cgroup").read_text().splitlines():

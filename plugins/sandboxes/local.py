@@ -61,13 +61,17 @@ from pydantic import Field
 from i3core.sandbox import nsexec
 from i3core.errors import SandboxError
 from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox.base import SandboxBase, SandboxConfig, check_exec, empty_dir_fd, open_dir_beneath, remove_tree
+from i3core.sandbox.base import (
+    SandboxBase, SandboxConfig, check_exec, empty_dir_fd, open_dir_beneath, remove_tree, restore_dir,
+)
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.local")
 
 UID_BASE = 1_000_000
 """A sandbox's uid is this plus its init's host pid: unique among live sandboxes, and no real user's."""
+WORKDIR_MODE = 0o755
+"""Mode of the work directory, restored by ``reset`` (a ``chmod 0`` of it would break the next rollout)."""
 SCRATCH_DIRS = ("tmp", "dev/shm")
 """tmpfs directories inside a sandbox that ``reset`` empties along with the work directory."""
 
@@ -108,8 +112,11 @@ class LocalSandbox(SandboxBase):
 
     async def reset(self) -> None:
         self._check_open()
-        await self._nsexec.kill_all(self._jail)
-        await asyncio.to_thread(self._empty)
+        await self._nsexec.kill_all(self._jail, clean=True)
+        try:
+            await asyncio.to_thread(self._empty)
+        except OSError as exc:
+            raise SandboxError(f"sandbox {self.id}: cannot empty it: {exc}") from None
 
     def _empty(self) -> None:
         """Empty the work directory (on the host) and the scratch tmpfs, those relative to the init's root opened
@@ -124,6 +131,7 @@ class LocalSandbox(SandboxBase):
                 os.close(root)
             for fd in dirs:
                 empty_dir_fd(fd)
+            restore_dir(dirs[0], self._jail.uid, self._jail.gid, WORKDIR_MODE)
         finally:
             for fd in dirs:
                 os.close(fd)
