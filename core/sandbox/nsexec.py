@@ -392,6 +392,10 @@ class NsExec:
             if kind == "X" and os.waitstatus_to_exitcode(int(rest)) != 0:
                 raise SandboxError("processes of the sandbox survived being killed")
 
+    async def clean_ipc(self, pidfd: int) -> None:
+        """Empty the IPC namespace of the process behind ``pidfd`` (System V objects, POSIX message queues)."""
+        await self._call({"op": "clean"}, "emptying the sandbox's IPC namespace", [os.dup(pidfd)])
+
     async def exec(self, jail: Jail, args: list[str], timeout: float | None = None) -> ExecResult:
         """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill all of it but its init.
 

@@ -37,6 +37,7 @@ Operations (``op``):
   namespace (joined through the request's pidfd, as for ``exec``), until nothing is left: every process of the sandbox but its init
   (which runs as root) dies, and nothing else can. With ``clean`` (a reset), then empty what outlives
   processes: the target's IPC namespace and the uid's user keyrings.
+- ``clean``: empty the IPC namespace of the target (given by a pidfd) whose processes the requester killed.
 - ``probe``: whether this host lets us make the namespaces.
 """
 
@@ -483,7 +484,7 @@ def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
         os.waitpid(pid, 0)
         if not live_processes(pidns, uid):
             if req.get("clean"):
-                clean(fds[0], uid, gid)
+                clean(fds[0], uid, gid, keyrings=True)
             report(status, "X0")
             return
         time.sleep(KILL_PAUSE_S)
@@ -496,19 +497,21 @@ MQUEUE_MOUNT = "/tmp"
 """Where a private mount namespace of ours shows the sandbox's POSIX message queues (any directory will do)."""
 
 
-def clean(pidfd: int, uid: int, gid: int) -> None:
+def clean(pidfd: int, uid: int, gid: int, keyrings: bool) -> None:
     """With every process of the sandbox dead: empty what outlives processes. Its IPC namespace (System V shared
-    memory, message queues, semaphores; POSIX message queues) and its uid's user keyrings."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
-            clear_user_keyrings()
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+    memory, message queues, semaphores; POSIX message queues) and, with ``keyrings``, its uid's user keyrings
+    (only for a uid no one else has)."""
+    if keyrings:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+                clear_user_keyrings()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
     setns(os.dup(pidfd), CLONE_NEWIPC)  # /proc/sysvipc and mqueue mounts show the ipc namespace of the reader
     for kind, call in SYSV_IPC:
         with open(f"/proc/sysvipc/{kind}") as file:
@@ -520,6 +523,13 @@ def clean(pidfd: int, uid: int, gid: int) -> None:
     mount("mqueue", MQUEUE_MOUNT, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for name in os.listdir(MQUEUE_MOUNT):
         os.unlink(f"{MQUEUE_MOUNT}/{name}")
+
+
+def op_clean(req: dict, fds: list[int], server_pid: int) -> None:
+    """``clean`` alone, for a sandbox whose processes someone else killed (the docker backend's reset)."""
+    child_prelude(server_pid)
+    clean(fds[0], 0, 0, keyrings=False)
+    report(fds[-1], "X0")
 
 
 def op_probe(req: dict, fds: list[int], server_pid: int) -> None:
@@ -562,7 +572,7 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
     """exec children -> their status pipe: we are their parent, so we report how they ended."""
     ops = {"create": op_create, "kill": lambda r, f: op_kill(r, f, server_pid),
            "exec": lambda r, f: op_exec(r, f, devnull, own_netns, target_fd),
-           "probe": lambda r, f: op_probe(r, f, server_pid)}  # fmt: skip
+           "probe": lambda r, f: op_probe(r, f, server_pid), "clean": lambda r, f: op_clean(r, f, server_pid)}  # fmt: skip
     while True:
         ready = select.select([sock, wake_r], [], [])[0]
         if wake_r in ready:
