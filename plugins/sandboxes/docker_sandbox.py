@@ -38,6 +38,10 @@ Covered:
   anywhere on the way is refused and one the sandbox swaps in while we walk
   is refused too: the walk never resolves a name twice. The container's
   processes cannot race it into following a link.
+- ``reset`` also empties ``/dev/shm`` and the container's IPC namespace (through
+  a fork server of :mod:`i3core.sandbox.nsexec`) and restores the work
+  directory without extended attributes; TCP buffers are charged to the
+  container's cgroup v1 memory and capped at ``memory_mb``.
 - ``close()`` force-removes the container (every process in it dies);
   ``aclose()`` removes every container labelled with this backend's id, also
   ones whose sandbox object was lost.
@@ -57,6 +61,10 @@ Not covered:
   limit, so a sandbox that fills them leaves its commands no memory (they
   are OOM-killed) until ``reset``; ``/dev/shm`` is Docker's default 64 MiB.
   No I/O bandwidth limit.
+- Seccomp is the engine's default profile: it denies the keyring calls and
+  mounts, but lets a command make user namespaces where the kernel allows
+  unprivileged ones and open netlink uevent sockets (the local backend's own
+  filter denies both).
 - ``pids`` counts the init and keeper too (2 of them). A cancelled ``exec``
   stops reading but leaves its command running until ``reset``/``close``.
 - Exit status: Docker reports a command killed by signal N as 128+N, so a

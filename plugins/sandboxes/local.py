@@ -5,8 +5,10 @@ Threat model
 Covered: model-written code, buggy or hostile, run by ``exec``. It runs as an
 unprivileged uid of its own (one per sandbox: ``UID_BASE`` + the host pid of
 the sandbox's init), with no capabilities (bounding set emptied) and
-no_new_privs, so setuid binaries and file capabilities give it nothing. It
-sees:
+no_new_privs, so setuid binaries and file capabilities give it nothing; under
+a seccomp filter (``nsfork.DENIED_SYSCALLS``: no keyring calls, no namespaces
+or mounts, no ptrace, bpf, perf, io_uring, netlink but route, ...) and in a new
+empty session keyring (never the host's). It sees:
 
 - its own pid namespace (only its own processes; ``kill -9 -1`` reaches only
   them), ipc and uts namespaces, and a network namespace with nothing in it
@@ -24,8 +26,13 @@ Limits: a per-sandbox cgroup (v1 memory with swap capped, pids, cpu quota
 from ``cpus``) where the host lets us make one, plus rlimits on every
 command (processes per uid, file size, CPU seconds as a backstop, open files,
 no core dumps; an address-space limit per process when there is no memory
-cgroup). ``exec`` output is capped while being read. On a timeout, ``reset``
-and ``close`` every process of the sandbox dies; ``close`` kills its init,
+cgroup); TCP buffers charged to the memory cgroup and capped at ``memory_mb``.
+``exec`` output is capped while being read (past the cap, drained at a bounded
+cost). ``reset`` also empties the IPC namespace, the uid's user keyrings, /tmp
+and /dev/shm, and restores the work directory's owner, mode and extended
+attributes. Input the model controls (argv, timeouts, paths, trees of any
+depth) gives a result or a SandboxFileError, never a host-side exception. On a
+timeout, ``reset`` and ``close`` every process of the sandbox dies; ``close`` kills its init,
 which takes the whole pid namespace with it, then removes the cgroup and the
 work directory. Sandboxes die with the process that made them (a chain of
 parent-death signals), so a crashed orchestrator leaves none behind.
