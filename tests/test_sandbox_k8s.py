@@ -305,8 +305,8 @@ def test_agent_client_with_no_agent_is_a_sandbox_error():
                 await sb.read_file("x")
             with pytest.raises(SandboxFileError):  # refused before any request
                 await sb.write_file("../escape", "x")
-            with pytest.raises(ValueError):
-                await sb.exec([])
+            refused = await sb.exec([])  # refused before any request: a result, not an unreachable agent
+            assert refused.exit_code == 126 and "exec refused" in refused.stderr, refused
             assert not await sb.alive()
         assert not await sb.alive()
         with pytest.raises(SandboxError, match="closed"):

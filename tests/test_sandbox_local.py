@@ -144,27 +144,36 @@ def test_argv_is_literal_and_a_string_is_shell(backend):
             assert result.stdout == "x" * 100_000 + "y" * 100_000, len(result.stdout)
             result = await sb.exec("echo " + "z" * 200_000)  # past execve's 128 KiB per argument: its error
             assert result.exit_code == 126 and "Argument list too long" in result.stderr, result
-            with pytest.raises(ValueError):
-                await sb.exec(["true", "w" * (3 << 20)])
+            result = await sb.exec(["true", "w" * (3 << 20)])  # past execve's 2 MiB in all: refused, one line
+            assert result.exit_code == 126 and "too long" in result.stderr and result.stderr.count("\n") == 1
 
     run(go())
 
 
-@pytest.mark.parametrize("cmd", [[], [1, 2], ["ok", None], 7, None])
-def test_bad_commands_are_value_errors(backend, cmd):
+@pytest.mark.parametrize("cmd", [[], [1, 2], ["ok", None], 7, None, ["a\0b"], "echo \0", ["echo", "\ud800"]])
+def test_bad_commands_are_refused_results(backend, cmd):
+    """A command or timeout no program can take is an exec result (126, one line on stderr), never an exception:
+    the model wrote it, the sandbox is fine."""
     async def go():
         async with await backend.create() as sb:
-            with pytest.raises(ValueError):
-                await sb.exec(cmd)
-            for timeout in (0, -1, float("inf"), float("nan"), "1"):
-                with pytest.raises(ValueError):
-                    await sb.exec("true", timeout=timeout)
+            result = await sb.exec(cmd)
+            assert result.exit_code == 126 and result.stderr.startswith("i3core: exec refused: "), result
+            assert result.stderr.count("\n") == 1 and not result.timed_out, result
+            for timeout in (0, -1, float("inf"), float("nan"), "1", True, 1e19):
+                result = await sb.exec("true", timeout=timeout)
+                assert result.exit_code == 126 and "timeout must be" in result.stderr, (timeout, result)
             with pytest.raises(SandboxFileError):
                 await sb.read_file("")
             with pytest.raises(SandboxFileError):
                 await sb.read_file("missing")
             with pytest.raises(SandboxFileError):
                 await sb.write_file(".", "x")
+            with pytest.raises(SandboxFileError, match="surrogate"):
+                await sb.write_file("a\udc80.txt", "x")
+            with pytest.raises(SandboxFileError, match="surrogate"):
+                await sb.read_file("\ud800")
+            with pytest.raises(SandboxFileError, match="surrogate"):
+                await sb.write_file("ok.txt", "\ud800")
             assert (await sb.exec("echo fine")).stdout == "fine\n"
 
     run(go())

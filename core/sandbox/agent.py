@@ -42,7 +42,9 @@ from pydantic import ValidationError
 from i3core.sandbox import nsexec
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox.base import AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox.base import (
+    AGENT_LIMITS, SandboxConfig, argv, empty_dir_fd, exec_timeout, open_dir_beneath, restore_dir,
+)
 
 log = structlog.get_logger("i3core.sandbox_agent")
 
@@ -94,6 +96,8 @@ class Agent:
         self.work_fd = work_fd
         """The work directory, opened once at startup: every file op and reset goes through it, so a command that
         renames the path to it (or plants a symlink there) cannot redirect them onto the agent's own files."""
+        self.work_mode = os.fstat(work_fd).st_mode & 0o7777
+        """Its mode before any command ran, which every reset restores."""
         self.token = token
 
     def target_alive(self) -> bool:
@@ -133,12 +137,9 @@ class Agent:
             return _error(400, f"unknown fields: {', '.join(sorted(unknown))}")
         try:
             args = argv(body["cmd"])
-        except (ValueError, TypeError) as exc:
+            timeout = exec_timeout(body.get("timeout"), self.jail.limits.timeout_s)
+        except ValueError as exc:
             return _error(400, str(exc))
-        timeout = body.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or
-                                    not 0 < timeout < float("inf")):  # fmt: skip
-            return _error(400, f"timeout must be a positive number of seconds, got {timeout!r}")
         nsexec.check_alive(self.pidfd, "the target")
         try:
             result = await self.server.exec(self.jail, args, timeout)
@@ -162,9 +163,14 @@ class Agent:
 
     async def reset(self, request: web.Request) -> web.Response:
         nsexec.check_alive(self.pidfd, "the target")
-        await self.server.kill_all(self.jail)
-        await asyncio.to_thread(empty_dir_fd, self.work_fd)
+        await self.server.kill_all(self.jail, clean=True)
+        await asyncio.to_thread(self._empty)
         return web.Response(status=204)
+
+    def _empty(self) -> None:
+        """Empty the work directory and give it back its owner and mode, without its extended attributes."""
+        empty_dir_fd(self.work_fd)
+        restore_dir(self.work_fd, self.jail.uid, self.jail.gid, self.work_mode)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.target_alive():

@@ -5,8 +5,8 @@ agent gives commands a fresh network namespace instead), its root and work
 directory, as an unprivileged uid/gid with no capabilities and no_new_privs,
 with rlimits, a clean environment (PATH, HOME=workdir, LANG; never the
 host's), stdin from /dev/null and stdout/stderr read through
-:func:`~i3core.sandbox.base.read_capped` (a gigabyte of output is read and dropped,
-the writer never blocks). On a timeout every process of the sandbox but its
+:func:`~i3core.sandbox.base.pump` (a gigabyte of output is dropped at a bounded cost to the
+host, the writer never blocks for good). On a timeout every process of the sandbox but its
 init is killed: ``kill(-1, SIGKILL)`` as the sandbox uid inside its pid
 namespace, which reaches every process the sandbox started (they all run as
 that uid) and nothing else (the init and the agent run as root). A target
@@ -31,6 +31,7 @@ address-space rlimit per process instead and ``oom_killed`` is None.
 """
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -45,7 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from i3core.errors import SandboxError
-from i3core.sandbox.base import SandboxConfig, as_bytes, decode, read_beneath, read_capped, relative_path, write_beneath
+from i3core.sandbox.base import (
+    Captured, SandboxConfig, as_bytes, decode, exec_timeout, pump, read_beneath, relative_path, write_beneath,
+)
 from i3core.types import ExecResult
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -59,11 +62,14 @@ SOCKET_BUFFER_BYTES = 4 << 20
 """Send buffer of the request socket: room for requests queued while the server forks, and for a long argv."""
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 """Linux socket options that let root go past net.core.wmem_max/rmem_max (2 MiB requests need it)."""
-MAX_REQUEST_BYTES = 2 << 20
-"""Largest exec request (argv and environment as JSON): execve's own limit on arguments is 2 MiB."""
+MAX_REQUEST_BYTES = SOCKET_BUFFER_BYTES - (64 << 10)
+"""Largest request datagram: room for a checked argv (2 MiB, base64: 2.7 MiB) and the environment."""
 SEND_RETRY_S = 0.001
 STOP_WAIT_S = 30.0
 """How long the output pipes may stay open after every process was killed before the sandbox counts as broken."""
+OUTPUT_GRACE_S = 1.0
+"""After a timeout killed every process, how long output pipes may stay open before what they gave is taken as all:
+past it only a descriptor in flight in a unix socket (a cycle the kernel collects late) holds one."""
 SERVER_WAIT_S = 60.0
 """How long a probe, a creation or a kill may take before the fork server counts as stuck (hundreds of creations
 at once on two loaded cores take seconds each)."""
@@ -150,7 +156,8 @@ class Cgroup:
         cgroup = cls({})
         settings = {
             "memory": [("memory.limit_in_bytes", limits.memory_mb << 20),
-                       ("memory.memsw.limit_in_bytes", limits.memory_mb << 20)],  # no swap on top; absent: skipped
+                       ("memory.memsw.limit_in_bytes", limits.memory_mb << 20),  # no swap on top; absent: skipped
+                       ("memory.kmem.tcp.limit_in_bytes", limits.memory_mb << 20)],  # TCP buffers charged, capped
             "pids": [("pids.max", limits.pids)],
             "cpu": [("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", math.ceil(limits.cpus * CPU_PERIOD_US))],
         }  # fmt: skip
@@ -377,12 +384,17 @@ class NsExec:
                 return int(pid), int(uid)
         raise SandboxError("starting the sandbox: the fork server gave no pid")
 
-    async def kill_all(self, jail: Jail) -> None:
-        """Kill every process running as the jail's uid in its pid namespace (all of the sandbox but its init)."""
-        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid}
+    async def kill_all(self, jail: Jail, clean: bool = False) -> None:
+        """Kill every process running as the jail's uid in its pid namespace (all of the sandbox but its init); with
+        ``clean`` (a reset), then empty its IPC namespace and the uid's user keyrings."""
+        request = {"op": "kill", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "clean": clean}
         for kind, rest in await self._call(request, "killing the sandbox's processes", [os.dup(jail.pidfd)]):
             if kind == "X" and os.waitstatus_to_exitcode(int(rest)) != 0:
                 raise SandboxError("processes of the sandbox survived being killed")
+
+    async def clean_ipc(self, pidfd: int) -> None:
+        """Empty the IPC namespace of the process behind ``pidfd`` (System V objects, POSIX message queues)."""
+        await self._call({"op": "clean"}, "emptying the sandbox's IPC namespace", [os.dup(pidfd)])
 
     async def exec(self, jail: Jail, args: list[str], timeout: float | None = None) -> ExecResult:
         """Run ``args`` in the jail; on ``timeout`` (None: the limits' default) kill all of it but its init.
@@ -390,49 +402,57 @@ class NsExec:
         :raises SandboxError: the target died while the command ran (which ended the command too, when the target
             is its pid namespace's init): the sandbox failed, the command has no result.
         """
-        timeout = jail.limits.timeout_s if timeout is None else timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+        timeout = exec_timeout(timeout, jail.limits.timeout_s)
         request = {"op": "exec", "target": jail.pid, "uid": jail.uid, "gid": jail.gid, "cwd": jail.limits.workdir,
-                   "argv": args, "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
+                   "argv": encode_argv(args), "env": sandbox_env(jail.limits.workdir), "rlimits": jail.rlimits(timeout),
                    "cgroup_procs": jail.cgroup.procs_files() if jail.cgroup else []}  # fmt: skip
         oom_before = jail.cgroup.oom_kills() if jail.cgroup else None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        out_r, out_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        os.set_blocking(out_w, True)
+        os.set_blocking(err_w, True)
+        out, err = Captured(jail.limits.max_output_bytes), Captured(jail.limits.max_output_bytes)
         start = time.monotonic()
-        transports = []
+        try:
+            status_r = await self._send(request, [os.dup(jail.pidfd), out_w, err_w])
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        outputs = asyncio.gather(pump(out_r, out), pump(err_r, err))
+        outputs.add_done_callback(_retrieved)  # cancelled from any side (the caller, a loop shutting down): no warning
+        reader, transport = await _pipe_reader(status_r)
+        status_task = asyncio.ensure_future(reader.read())
+        status_task.add_done_callback(_retrieved)
+        finished = asyncio.gather(outputs, status_task)
+        finished.add_done_callback(_retrieved)
+        timed_out = False
         try:
             try:
-                status_r = await self._send(request, [os.dup(jail.pidfd), out_w, err_w])
-            except BaseException:
-                os.close(out_r)
-                os.close(err_r)
-                raise
-            readers = []
-            for fd in (out_r, err_r, status_r):
-                reader, transport = await _pipe_reader(fd)
-                readers.append(reader)
-                transports.append(transport)
-            cap = jail.limits.max_output_bytes
-            done = asyncio.gather(read_capped(readers[0], cap), read_capped(readers[1], cap), readers[2].read())
-            done.add_done_callback(_retrieved)  # cancelled from any side (the caller, a loop shutting down): no warning
-            timed_out = False
-            try:
-                (out, out_cut), (err, err_cut), status = await asyncio.wait_for(asyncio.shield(done), timeout)
+                await asyncio.wait_for(asyncio.shield(finished), timeout)
             except TimeoutError:
                 timed_out = True
                 await self.kill_all(jail)
-                try:
-                    (out, out_cut), (err, err_cut), status = await asyncio.wait_for(done, STOP_WAIT_S)
+                try:  # what the killed processes wrote; a pipe still open now is held by no process (an fd in flight
+                    await asyncio.wait_for(asyncio.shield(outputs), OUTPUT_GRACE_S)  # in a unix socket): dropped
                 except TimeoutError:
-                    raise SandboxError(f"output still open {STOP_WAIT_S:g}s after the command was killed") from None
+                    pass
+                try:
+                    await asyncio.wait_for(asyncio.shield(status_task), STOP_WAIT_S)
+                except TimeoutError:
+                    raise SandboxError(f"no exit status {STOP_WAIT_S:g}s after the command was killed") from None
             except asyncio.CancelledError:
-                done.cancel()
+                outputs.cancel()
+                status_task.cancel()
                 await self.kill_all(jail)
                 raise
         finally:
-            for transport in transports:
-                transport.close()
+            outputs.cancel()
+            await asyncio.wait([outputs])  # the pumps have let go of the pipes (done, or cancelled before starting)
+            os.close(out_r)
+            os.close(err_r)
+            transport.close()
+        status = status_task.result()
         duration = time.monotonic() - start
         if exiting(jail.pid, jail.pidfd):  # a command killed with its sandbox is no result of the model's code
             raise SandboxError("running the command: the sandbox died while it ran (its target process is gone)")
@@ -444,13 +464,19 @@ class NsExec:
         oom_after = jail.cgroup.oom_kills() if jail.cgroup else None
         return ExecResult(
             exit_code=None if timed_out else os.waitstatus_to_exitcode(exits[0]),
-            stdout=decode(out),
-            stderr=decode(err),
+            stdout=decode(out.kept),
+            stderr=decode(err.kept),
             timed_out=timed_out,
             oom_killed=None if oom_before is None or oom_after is None else oom_after > oom_before,
-            truncated=out_cut or err_cut,
+            truncated=out.truncated or err.truncated,
             duration_s=duration,
         )
+
+
+def encode_argv(args: list[str]) -> str:
+    """``args`` as the fork server takes them: UTF-8, NUL-separated, base64 (the child execs the bytes as they are,
+    with no codec of the host's interpreter; JSON escapes would swell control characters sixfold)."""
+    return base64.b64encode(b"\0".join(arg.encode() for arg in args)).decode()
 
 
 def _retrieved(future: asyncio.Future) -> None:

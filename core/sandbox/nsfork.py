@@ -25,7 +25,8 @@ Operations (``op``):
 - ``exec``: run ``argv`` inside the target's pid, mount, ipc and uts
   namespaces (and net, unless the server made its own fresh one), chrooted to
   its root, in ``cwd``, as ``uid``/``gid`` with no capabilities, no_new_privs,
-  rlimits and a clean environment; stdin is /dev/null. Moves itself into the
+  a new empty session keyring, rlimits, a clean environment and the seccomp
+  filter (``DENIED_SYSCALLS``); stdin is /dev/null. Moves itself into the
   given cgroups first. One fork: the server enters the target's pid namespace
   for its children (``setns`` on the requester's pidfd of the target, sent
   as the request's first fd: a dead target's pid, even reused, is never
@@ -34,10 +35,14 @@ Operations (``op``):
   its wait status.
 - ``kill``: ``kill(-1, SIGKILL)`` as ``uid`` inside the target's pid
   namespace (joined through the request's pidfd, as for ``exec``), until nothing is left: every process of the sandbox but its init
-  (which runs as root) dies, and nothing else can.
+  (which runs as root) dies, and nothing else can. With ``clean`` (a reset), then empty what outlives
+  processes: the target's IPC namespace and the uid's user keyrings.
+- ``clean``: empty the IPC namespace of the target (given by a pidfd) whose processes the requester killed.
 - ``probe``: whether this host lets us make the namespaces.
 """
 
+import array  # noqa: F401  (socket.recv_fds imports it on first use, after imports are refused)
+import base64
 import ctypes
 import errno
 import fcntl
@@ -65,6 +70,115 @@ MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
+
+# --- the seccomp filter of every command ----------------------------------------------------------
+
+ARCH = {"x86_64": (0xC000003E, 0), "aarch64": (0xC00000B7, 1)}.get(platform.machine())
+"""(AUDIT_ARCH of this machine, index into each syscall's numbers below)."""
+DENIED_SYSCALLS = {
+    # kernel keyrings: a sandbox never reaches the host's keys, nor leaves keys for a later one
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219),
+    # namespaces (user namespaces and the kernel surface they unlock), mounts, root changes
+    "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "chroot": (161, 51), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
+    "move_mount": (429, 429), "open_tree": (428, 428), "mount_setattr": (442, 442),
+    # other processes' memory, tracing, BPF, perf, io_uring, userfaultfd
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "fanotify_init": (300, 262),
+    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "lookup_dcookie": (212, 18),
+    # the machine itself: kernels, modules, reboot, swap, clocks, accounting, the kernel log, quotas
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "reboot": (169, 142), "swapon": (167, 224),
+    "swapoff": (168, 225), "settimeofday": (164, 170), "clock_settime": (227, 112), "clock_adjtime": (305, 266),
+    "adjtimex": (159, 171), "acct": (163, 89), "syslog": (103, 116), "quotactl": (179, 60), "vhangup": (153, 58),
+}  # fmt: skip
+"""Syscalls code under test never needs, each denied with EPERM (x86_64 and aarch64 numbers). Also: ``clone``
+with any namespace flag (EPERM), ``clone3`` (ENOSYS, so libc falls back to ``clone``, whose flags a filter can
+read), ``socket(AF_NETLINK, ...)`` of any family but NETLINK_ROUTE (no uevents of host devices, no audit,
+no netfilter), the 32-bit and x32 system call tables (the process is killed / EPERM)."""
+SYS_CLONE, SYS_CLONE3, SYS_SOCKET = (56, 220), (435, 435), (41, 198)
+NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
+"""CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME."""
+AF_NETLINK, NETLINK_ROUTE = 16, 0
+X32_SYSCALL_BIT = 0x40000000
+RET_ALLOW, RET_KILL_PROCESS, RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+LD_ABS_W, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+def seccomp_program() -> bytes:
+    """The filter as ``struct sock_filter[]``: a tiny assembler, jumps by label (see ``DENIED_SYSCALLS``)."""
+    arch, which = ARCH
+    code: list[tuple] = [(LD_ABS_W, None, None, 4), (JEQ, "nr", "kill", arch), ("nr",), (LD_ABS_W, None, None, 0)]
+    if which == 0:
+        code.append((JGE, "eperm", None, X32_SYSCALL_BIT))
+    for numbers in DENIED_SYSCALLS.values():
+        code.append((JEQ, "eperm", None, numbers[which]))
+    code += [(JEQ, "enosys", None, SYS_CLONE3[which]), (JEQ, "clone", None, SYS_CLONE[which]),
+             (JEQ, "socket", None, SYS_SOCKET[which]), (RET, None, None, RET_ALLOW),
+             ("clone",), (LD_ABS_W, None, None, 16), (JSET, "eperm", "allow", NAMESPACE_FLAGS),
+             ("socket",), (LD_ABS_W, None, None, 16), (JEQ, None, "allow", AF_NETLINK), (LD_ABS_W, None, None, 32),
+             (JEQ, "allow", "eperm", NETLINK_ROUTE),
+             ("eperm",), (RET, None, None, RET_ERRNO | errno.EPERM), ("enosys",), (RET, None, None, RET_ERRNO | errno.ENOSYS),
+             ("allow",), (RET, None, None, RET_ALLOW), ("kill",), (RET, None, None, RET_KILL_PROCESS)]  # fmt: skip
+    labels, program = {}, []
+    for item in code:
+        if len(item) == 1:
+            labels[item[0]] = len(program)
+        else:
+            program.append(item)
+    out = bytearray()
+    for index, (op, true, false, k) in enumerate(program):
+        jumps = [0 if label is None else labels[label] - index - 1 for label in (true, false)]
+        assert all(0 <= jump < 256 for jump in jumps), (index, jumps)
+        out += struct.pack("=HBBI", op, jumps[0], jumps[1], k)
+    return bytes(out)
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+SECCOMP_FILTER = ctypes.create_string_buffer(seccomp_program()) if ARCH else None
+SECCOMP_FPROG = SockFprog(len(SECCOMP_FILTER.raw) // 8, ctypes.addressof(SECCOMP_FILTER)) if ARCH else None
+
+
+def install_seccomp() -> None:
+    """The filter on this process (no_new_privs set already); it stays across execve and fork."""
+    if SECCOMP_FPROG is None:
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {platform.machine()}")
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(SECCOMP_FPROG), 0, 0), "seccomp")
+
+
+# --- kernel keyrings ------------------------------------------------------------------------------
+
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 0, 1, 7
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+
+
+def keyctl(operation: int, *args: int) -> int:
+    return libc.syscall(SYS_KEYCTL, ctypes.c_long(operation), *(ctypes.c_long(a) for a in args))
+
+
+def new_session_keyring() -> None:
+    """Leave the session keyring inherited from whoever started the backend (a systemd service's, an ssh login's)
+    for a new, empty, anonymous one: a command never holds a reference to the host's keys. Kernels without keyrings
+    (ENOSYS) have nothing to leave."""
+    if libc.syscall(SYS_KEYCTL, ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None)) == -1:
+        code = ctypes.get_errno()
+        if code != errno.ENOSYS:
+            raise OSError(code, f"join a new session keyring: {os.strerror(code)}")
+
+
+def clear_user_keyrings() -> None:
+    """As the sandbox's uid: empty its user and user-session keyrings, if they exist (they outlive processes)."""
+    for spec in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+        serial = keyctl(KEYCTL_GET_KEYRING_ID, spec, 0)
+        if serial > 0:
+            keyctl(KEYCTL_CLEAR, serial)
+
 
 MAX_REQUEST_BYTES = 4 << 20
 """Largest request datagram (argv and environment); execve's own limit is 2 MiB of arguments."""
@@ -275,7 +389,9 @@ def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int
     os.chdir(req["cwd"])
     for name, value in req["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
+    new_session_keyring()
     drop_privileges(req["uid"], req["gid"])
+    install_seccomp()
     for sig in RESTORED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
@@ -284,12 +400,35 @@ def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int
     os.dup2(err, 2)
     os.closerange(3, status)
     os.closerange(status + 1, 1 << 16)
-    argv = req["argv"]
+    argv = base64.b64decode(req["argv"]).split(b"\0")
+    env = {key.encode(): value.encode() for key, value in req["env"].items()}
     try:
-        os.execvpe(argv[0], argv, req["env"])
+        exec_program(argv, env)
     except OSError as exc:
-        os.write(2, f"{argv[0]}: {exc.strerror}\n".encode())
+        os.write(2, argv[0] + f": {exc.strerror}\n".encode())
         os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+
+def exec_program(argv: list[bytes], env: dict[bytes, bytes]) -> None:
+    """``execve`` ``argv[0]``, looked up in the command's own ``PATH`` when it holds no slash, as a shell does.
+
+    Only ``os.execve``: ``os.execvpe`` imports ``warnings`` on its way, from the host interpreter's standard
+    library, which the sandbox's root does not hold (pyenv, uv, conda). :raises OSError: no candidate ran (ENOENT
+    if none exists, else the first other error, as ``execvp``).
+    """
+    name = argv[0]
+    if not name:
+        raise OSError(errno.ENOENT, os.strerror(errno.ENOENT))
+    if b"/" in name:
+        os.execve(name, argv, env)
+    first_error = None
+    for directory in env.get(b"PATH", b"").split(b":"):
+        try:
+            os.execve((directory or b".") + b"/" + name, argv, env)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR) and first_error is None:
+                first_error = exc
+    raise first_error or OSError(errno.ENOENT, os.strerror(errno.ENOENT))
 
 
 def op_exec(req: dict, fds: list[int], devnull: int, own_netns: bool, pidfd: int) -> None:
@@ -344,10 +483,53 @@ def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
                 os._exit(0)
         os.waitpid(pid, 0)
         if not live_processes(pidns, uid):
+            if req.get("clean"):
+                clean(fds[0], uid, gid, keyrings=True)
             report(status, "X0")
             return
         time.sleep(KILL_PAUSE_S)
     report(status, f"X{1 << 8}")
+
+
+IPC_RMID = 0
+SYSV_IPC = (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl"))
+MQUEUE_MOUNT = "/tmp"
+"""Where a private mount namespace of ours shows the sandbox's POSIX message queues (any directory will do)."""
+
+
+def clean(pidfd: int, uid: int, gid: int, keyrings: bool) -> None:
+    """With every process of the sandbox dead: empty what outlives processes. Its IPC namespace (System V shared
+    memory, message queues, semaphores; POSIX message queues) and, with ``keyrings``, its uid's user keyrings
+    (only for a uid no one else has)."""
+    if keyrings:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+                clear_user_keyrings()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    setns(os.dup(pidfd), CLONE_NEWIPC)  # /proc/sysvipc and mqueue mounts show the ipc namespace of the reader
+    for kind, call in SYSV_IPC:
+        with open(f"/proc/sysvipc/{kind}") as file:
+            ids = [int(line.split()[1]) for line in file.read().splitlines()[1:] if line.strip()]
+        for ipc_id in ids:
+            getattr(libc, call)(ipc_id, IPC_RMID, 0) if kind == "sem" else getattr(libc, call)(ipc_id, IPC_RMID, None)
+    unshare(CLONE_NEWNS)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("mqueue", MQUEUE_MOUNT, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in os.listdir(MQUEUE_MOUNT):
+        os.unlink(f"{MQUEUE_MOUNT}/{name}")
+
+
+def op_clean(req: dict, fds: list[int], server_pid: int) -> None:
+    """``clean`` alone, for a sandbox whose processes someone else killed (the docker backend's reset)."""
+    child_prelude(server_pid)
+    clean(fds[0], 0, 0, keyrings=False)
+    report(fds[-1], "X0")
 
 
 def op_probe(req: dict, fds: list[int], server_pid: int) -> None:
@@ -390,7 +572,7 @@ def serve(sock: socket.socket, own_netns: bool) -> None:
     """exec children -> their status pipe: we are their parent, so we report how they ended."""
     ops = {"create": op_create, "kill": lambda r, f: op_kill(r, f, server_pid),
            "exec": lambda r, f: op_exec(r, f, devnull, own_netns, target_fd),
-           "probe": lambda r, f: op_probe(r, f, server_pid)}  # fmt: skip
+           "probe": lambda r, f: op_probe(r, f, server_pid), "clean": lambda r, f: op_clean(r, f, server_pid)}  # fmt: skip
     while True:
         ready = select.select([sock, wake_r], [], [])[0]
         if wake_r in ready:
@@ -464,7 +646,18 @@ def reap(waiting: dict[int, int]) -> None:
             os.close(status)
 
 
+class NoImports:
+    """A meta path finder that refuses every import: after start the server and its children import nothing, so no
+    child ever reads the host interpreter's library after entering a sandbox's root (tests fail loudly if one
+    tries, on any interpreter)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        raise ImportError(f"i3core.sandbox.nsfork imports nothing once started (tried {name!r})")
+
+
 def main() -> None:
+    sys.meta_path.insert(0, NoImports)
     sock = socket.socket(fileno=int(sys.argv[1]))
     os.set_inheritable(sock.fileno(), False)
     serve(sock, own_netns="--own-netns" in sys.argv[2:])

@@ -172,8 +172,9 @@ class SandboxPool:
     async def _reset(self, sandbox: Sandbox) -> None:
         try:
             await sandbox.reset()
-        except SandboxError as exc:
-            log.warning("sandbox reset failed; closing it", sandbox=sandbox.id, error=str(exc))
+        except Exception as exc:  # a SandboxError, or a backend's bug: either way never handed out, never leaked
+            log.warning("sandbox reset failed; closing it", sandbox=sandbox.id, error=f"{type(exc).__name__}: {exc}")
+            self.stats["failed"] += 1
             await _close_quietly(sandbox)
             return
         if self._closed:

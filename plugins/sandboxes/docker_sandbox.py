@@ -38,6 +38,10 @@ Covered:
   anywhere on the way is refused and one the sandbox swaps in while we walk
   is refused too: the walk never resolves a name twice. The container's
   processes cannot race it into following a link.
+- ``reset`` also empties ``/dev/shm`` and the container's IPC namespace (through
+  a fork server of :mod:`i3core.sandbox.nsexec`) and restores the work
+  directory without extended attributes; TCP buffers are charged to the
+  container's cgroup v1 memory and capped at ``memory_mb``.
 - ``close()`` force-removes the container (every process in it dies);
   ``aclose()`` removes every container labelled with this backend's id, also
   ones whose sandbox object was lost.
@@ -57,6 +61,10 @@ Not covered:
   limit, so a sandbox that fills them leaves its commands no memory (they
   are OOM-killed) until ``reset``; ``/dev/shm`` is Docker's default 64 MiB.
   No I/O bandwidth limit.
+- Seccomp is the engine's default profile: it denies the keyring calls and
+  mounts, but lets a command make user namespaces where the kernel allows
+  unprivileged ones and open netlink uevent sockets (the local backend's own
+  filter denies both).
 - ``pids`` counts the init and keeper too (2 of them). A cancelled ``exec``
   stops reading but leaves its command running until ``reset``/``close``.
 - Exit status: Docker reports a command killed by signal N as 128+N, so a
@@ -84,9 +92,10 @@ from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError
 from i3core.sandbox.base import (
-    READ_CHUNK, SandboxBase, SandboxConfig, argv, as_bytes, decode, empty_dir_fd, open_dir_beneath, read_beneath,
+    READ_CHUNK, SandboxBase, SandboxConfig, as_bytes, check_exec, restore_dir, decode, empty_dir_fd, open_dir_beneath, read_beneath,
     relative_path, write_beneath,
 )  # fmt: skip
+from i3core.sandbox.nsexec import NsExec
 from i3core.types import ExecResult
 
 LABEL = "i3core.sandbox"
@@ -114,6 +123,9 @@ DRAIN_WAIT_S = 10.0
 API_TIMEOUT_S = 60.0
 """Longest wait for one engine API call (an exec's output stream has none)."""
 WORKDIR_MODE = 0o755
+TCP_LIMIT = "memory.kmem.tcp.limit_in_bytes"
+"""cgroup v1: writing it turns on the charging of the container's TCP buffers and caps them (v2 charges them
+always, within memory.max)."""
 
 
 def _docker():
@@ -167,6 +179,7 @@ class DockerBackend:
         self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="i3-docker")
         self._sandboxes: dict[str, "DockerSandbox"] = {}
         self._lock = threading.Lock()
+        self._nsexec: NsExec | None = None
 
     def _call(self, fn, *args) -> asyncio.Future:
         """Run the blocking ``fn(*args)`` in the backend's threads; await the future for its result."""
@@ -250,7 +263,10 @@ class DockerBackend:
             uid, gid = _ids(self.config.user)
             os.fchown(root, uid, gid)
             os.fchmod(root, WORKDIR_MODE)
-            return root, tmp, _Cgroup(init_pid)
+            cgroup = _Cgroup(init_pid)
+            if cgroup.memory is not None and (cgroup.memory / TCP_LIMIT).exists():  # TCP buffers charged, capped
+                (cgroup.memory / TCP_LIMIT).write_text(str(self.config.memory_mb << 20))
+            return root, tmp, cgroup
         except OSError as exc:
             os.close(root)
             os.close(tmp)
@@ -271,6 +287,14 @@ class DockerBackend:
         except self.engine_errors as exc:
             raise SandboxError(f"cannot remove docker sandbox {container_id[:12]}: {_one_line(exc)}") from None
 
+    async def nsexec(self) -> NsExec:
+        """The fork server that empties containers' IPC namespaces (started on first use)."""
+        if self._nsexec is None or not self._nsexec.running():
+            server = NsExec()
+            await asyncio.to_thread(server.start)
+            self._nsexec = server
+        return self._nsexec
+
     def _forget(self, sandbox: "DockerSandbox") -> None:
         self._sandboxes.pop(sandbox.id, None)
 
@@ -284,6 +308,9 @@ class DockerBackend:
             await asyncio.gather(*(self._call(self._remove, cid) for cid in ids))
             await self._call(self._client.close)
             self._client = None
+        if self._nsexec is not None:
+            self._nsexec.close()
+            self._nsexec = None
         self._pool.shutdown(wait=False)
         self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="i3-docker")
 
@@ -314,9 +341,11 @@ class DockerSandbox(SandboxBase):
     # -- commands ---------------------------------------------------------------------------------
 
     async def exec(self, cmd, timeout: float | None = None) -> ExecResult:
-        args = argv(cmd)
         self._check_open()
-        timeout = self.config.timeout_s if timeout is None else timeout
+        checked = check_exec(cmd, timeout, self.config.timeout_s)
+        if isinstance(checked, ExecResult):
+            return checked
+        args, timeout = checked
         oom_before = _read_oom_kills(self._cgroup.oom_counter)
         start = time.monotonic()
         exec_id, stream = await self.backend._call(self._start, args)
@@ -435,15 +464,32 @@ class DockerSandbox(SandboxBase):
     async def reset(self) -> None:
         self._check_open()
         await self._kill_all()
-        await self.backend._call(self._in_workdir, self._empty)
+        pidfd = await self.backend._call(self._in_workdir, self._empty)
+        try:
+            await (await self.backend.nsexec()).clean_ipc(pidfd)
+        finally:
+            os.close(pidfd)
 
-    def _empty(self, _: Path) -> None:
-        """Empty the work directory and /tmp (never following symlinks); restore the work directory's owner and
-        mode."""
-        empty_dir_fd(self._root)
-        empty_dir_fd(self._tmp)
-        os.fchown(self._root, self._uid, self._gid)
-        os.fchmod(self._root, WORKDIR_MODE)
+    def _empty(self, _: Path) -> int:
+        """Empty the work directory, /tmp and /dev/shm (never following symlinks); restore the work directory's
+        owner and mode, without extended attributes. :return: a pidfd of the container's init (checked to be
+        its), for emptying its IPC namespace."""
+        pid = self._cgroup.init_pid
+        pidfd = os.pidfd_open(pid)
+        try:
+            if self.container_id not in Path(f"/proc/{pid}/cgroup").read_text():
+                raise SandboxError(f"docker sandbox {self.id}: its init is gone")
+            shm = open_dir_beneath(f"/proc/{pid}/root", ["dev", "shm"])
+            try:
+                for fd in (self._root, self._tmp, shm):
+                    empty_dir_fd(fd)
+            finally:
+                os.close(shm)
+            restore_dir(self._root, self._uid, self._gid, WORKDIR_MODE)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        return pidfd
 
     async def alive(self) -> bool:
         if self._closed:
@@ -539,6 +585,7 @@ class _Cgroup:
     """The container's cgroup as the host sees it (v1 hierarchies or v2), read through /sys/fs/cgroup."""
 
     def __init__(self, init_pid: int):
+        self.init_pid = init_pid
         v1: dict[str, Path] = {}
         unified = None
         for line in Path(f"/proc/{init_pid}/cgroup").read_text().splitlines():
@@ -548,6 +595,7 @@ class _Cgroup:
                     v1[controller] = CGROUP_ROOT / controller / path.lstrip("/")
             if controllers == "":
                 unified = CGROUP_ROOT / path.lstrip("/")
+        self.memory = v1.get("memory")
         if "freezer" in v1 and "memory" in v1:
             self.procs = v1["freezer"] / "cgroup.procs"
             self.freeze, self.states = v1["freezer"] / "freezer.state", ("FROZEN", "THAWED")

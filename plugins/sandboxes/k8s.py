@@ -68,7 +68,7 @@ from pydantic import Field, model_validator
 
 from i3core.errors import I3Error, SandboxError, SandboxFileError, SandboxFileNotFound
 from i3core.sandbox.base import (
-    AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, argv, as_bytes, relative_path,
+    AGENT_LIMITS, AGENT_TOKEN_ENV, AGENT_UID, SandboxBase, SandboxConfig, as_bytes, check_exec, relative_path,
 )  # fmt: skip
 from i3core.types import ExecResult
 
@@ -506,9 +506,11 @@ class AgentClient(SandboxBase):
         return response.status, body
 
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None) -> ExecResult:
-        argv(cmd)  # a malformed command is the caller's error, raised here as ValueError
-        timeout = self.config.timeout_s if timeout is None else timeout
-        payload = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout}
+        checked = check_exec(cmd, timeout, self.config.timeout_s)  # refused here, before any request
+        if isinstance(checked, ExecResult):
+            return checked
+        args, timeout = checked
+        payload = {"cmd": cmd if isinstance(cmd, str) else args, "timeout": timeout}
         status, body = await self._call("POST", "/exec", timeout + HTTP_SLACK_S, json=payload)
         if status != 200:
             raise SandboxError(f"sandbox {self.id}: agent refused exec ({status}): {_error(body)}")

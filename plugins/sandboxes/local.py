@@ -5,8 +5,10 @@ Threat model
 Covered: model-written code, buggy or hostile, run by ``exec``. It runs as an
 unprivileged uid of its own (one per sandbox: ``UID_BASE`` + the host pid of
 the sandbox's init), with no capabilities (bounding set emptied) and
-no_new_privs, so setuid binaries and file capabilities give it nothing. It
-sees:
+no_new_privs, so setuid binaries and file capabilities give it nothing; under
+a seccomp filter (``nsfork.DENIED_SYSCALLS``: no keyring calls, no namespaces
+or mounts, no ptrace, bpf, perf, io_uring, netlink but route, ...) and in a new
+empty session keyring (never the host's). It sees:
 
 - its own pid namespace (only its own processes; ``kill -9 -1`` reaches only
   them), ipc and uts namespaces, and a network namespace with nothing in it
@@ -24,8 +26,13 @@ Limits: a per-sandbox cgroup (v1 memory with swap capped, pids, cpu quota
 from ``cpus``) where the host lets us make one, plus rlimits on every
 command (processes per uid, file size, CPU seconds as a backstop, open files,
 no core dumps; an address-space limit per process when there is no memory
-cgroup). ``exec`` output is capped while being read. On a timeout, ``reset``
-and ``close`` every process of the sandbox dies; ``close`` kills its init,
+cgroup); TCP buffers charged to the memory cgroup and capped at ``memory_mb``.
+``exec`` output is capped while being read (past the cap, drained at a bounded
+cost). ``reset`` also empties the IPC namespace, the uid's user keyrings, /tmp
+and /dev/shm, and restores the work directory's owner, mode and extended
+attributes. Input the model controls (argv, timeouts, paths, trees of any
+depth) gives a result or a SandboxFileError, never a host-side exception. On a
+timeout, ``reset`` and ``close`` every process of the sandbox dies; ``close`` kills its init,
 which takes the whole pid namespace with it, then removes the cgroup and the
 work directory. Sandboxes die with the process that made them (a chain of
 parent-death signals), so a crashed orchestrator leaves none behind.
@@ -48,7 +55,6 @@ the backend starts; without namespaces it refuses to start.
 import asyncio
 import os
 import select
-import shutil
 import signal
 import threading
 import time
@@ -62,13 +68,17 @@ from pydantic import Field
 from i3core.sandbox import nsexec
 from i3core.errors import SandboxError
 from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
-from i3core.sandbox.base import SandboxBase, SandboxConfig, argv, empty_dir_fd, open_dir_beneath
+from i3core.sandbox.base import (
+    SandboxBase, SandboxConfig, check_exec, empty_dir_fd, open_dir_beneath, remove_tree, restore_dir,
+)
 from i3core.types import ExecResult
 
 log = structlog.get_logger("i3core.sandbox.local")
 
 UID_BASE = 1_000_000
 """A sandbox's uid is this plus its init's host pid: unique among live sandboxes, and no real user's."""
+WORKDIR_MODE = 0o755
+"""Mode of the work directory, restored by ``reset`` (a ``chmod 0`` of it would break the next rollout)."""
 SCRATCH_DIRS = ("tmp", "dev/shm")
 """tmpfs directories inside a sandbox that ``reset`` empties along with the work directory."""
 
@@ -94,7 +104,10 @@ class LocalSandbox(SandboxBase):
 
     async def exec(self, cmd: str | Sequence[str], timeout: float | None = None) -> ExecResult:
         self._check_open()
-        return await self._nsexec.exec(self._jail, argv(cmd), timeout)
+        checked = check_exec(cmd, timeout, self._jail.limits.timeout_s)
+        if isinstance(checked, ExecResult):
+            return checked
+        return await self._nsexec.exec(self._jail, *checked)
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
@@ -106,8 +119,11 @@ class LocalSandbox(SandboxBase):
 
     async def reset(self) -> None:
         self._check_open()
-        await self._nsexec.kill_all(self._jail)
-        await asyncio.to_thread(self._empty)
+        await self._nsexec.kill_all(self._jail, clean=True)
+        try:
+            await asyncio.to_thread(self._empty)
+        except OSError as exc:
+            raise SandboxError(f"sandbox {self.id}: cannot empty it: {exc}") from None
 
     def _empty(self) -> None:
         """Empty the work directory (on the host) and the scratch tmpfs, those relative to the init's root opened
@@ -122,6 +138,7 @@ class LocalSandbox(SandboxBase):
                 os.close(root)
             for fd in dirs:
                 empty_dir_fd(fd)
+            restore_dir(dirs[0], self._jail.uid, self._jail.gid, WORKDIR_MODE)
         finally:
             for fd in dirs:
                 os.close(fd)
@@ -151,7 +168,7 @@ class LocalSandbox(SandboxBase):
             os.close(self._pidfd)
         if self._jail.cgroup is not None:
             await self._jail.cgroup.remove()
-        await asyncio.to_thread(shutil.rmtree, self._base)
+        await asyncio.to_thread(remove_tree, self._base)
 
 
 class LocalBackend:
@@ -203,7 +220,7 @@ class LocalBackend:
             try:
                 Path(self.config.root_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
                 nsexec.sweep_stale(list(self.cgroup_parents.values()), "local", Path.rmdir)
-                nsexec.sweep_stale([Path(self.config.root_dir)], "local", shutil.rmtree)
+                nsexec.sweep_stale([Path(self.config.root_dir)], "local", remove_tree)
             except OSError as exc:
                 server.close()
                 raise SandboxError(f"local sandboxes: cannot use root_dir {self.config.root_dir}: "
@@ -234,7 +251,10 @@ class LocalBackend:
         except BaseException:
             if cgroup is not None:
                 cgroup.remove_now()
-            shutil.rmtree(base, ignore_errors=True)
+            try:
+                remove_tree(base)
+            except OSError:
+                pass
             raise
         jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=base / "work", pidfd=pidfd,
                     cgroup=cgroup)  # fmt: skip
