@@ -15,6 +15,7 @@ from i3core.plugins.envs.base import EnvConfig, Environment, SingleTurnConfig, S
 from i3core.plugins.envs.code import CodeEnv
 from i3core.plugins.envs.group import EnvGroup
 from i3core.plugins.envs.multiturn import MultiTurnConfig, MultiTurnEnv
+from i3core.plugins.envs.reasoning_gym_env import ReasoningGym
 from i3core.plugins.envs.reverse_text import ReverseText
 from i3core.plugins.envs.rubric import Rubric
 from i3core.plugins.envs.sandbox import SandboxConfig, SandboxEnv
@@ -29,6 +30,7 @@ def i3_register_envs(register):
     register("tool-calc", ToolCalc)
     register("group", EnvGroup)
     register("code", CodeEnv)
+    register("reasoning-gym", ReasoningGym)
 
 
 __all__ = ["CodeEnv", "EnvConfig", "EnvGroup", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric",

@@ -80,8 +80,14 @@ class EnvGroup:
 
     def __init__(self, config: Config):
         self.config = config
-        self.members = {m.task: m.build() for m in config.members}
-        self.base_weights = {m.task: m.weight for m in config.members}
+        self.init_members({m.task: m.build() for m in config.members}, {m.task: m.weight for m in config.members})
+
+    def init_members(self, members: dict, weights: dict[str, float]) -> None:
+        """Take ``members`` (task id -> env) drawn by ``weights`` (task id -> relative weight); ``config`` holds
+        ``mixing``, ``adaptive_window`` and ``adaptive_floor``. A subclass that makes its own members calls it."""
+        config = self.config
+        self.members = members
+        self.base_weights = weights
         stops = {env.stop_text for env in self.members.values()}
         if len(stops) > 1:
             raise ValueError(f"member envs stop text completions at different texts: {sorted(stops)}")
