@@ -202,3 +202,43 @@ def test_train_client_gets_token_ids_logprobs_and_session_versions(offline_uv, s
         (turn,) = record["turns"]  # the server's record under X-Session-ID = the trace's id
         assert turn["prompt_len"] == n and turn["token_ids"] == ids[n:]
         assert turn["versions"] == [0] * (len(ids) - n)
+
+
+# -- [env] use = "verifiers": episodes as i3core Rollouts ---------------------------------------------------------
+
+
+def test_verifiers_env_component_turns_episodes_into_rollouts(offline_uv, served):
+    from i3core.plugins.inference.client import InferenceClient
+
+    url, directory = served
+    env = make_component("env", "verifiers", id="i3_echo_taskset", args={"num_tasks": 1},
+                         renderer_model=str(directory), max_tokens=MAX_TOKENS, max_turns=2)
+    (example,) = env.examples()
+    assert example.prompt == "Say abc."
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+
+    async def scenario():
+        client = InferenceClient(url, tokenizer)
+        try:
+            return await asyncio.gather(*(env.rollout(client, example) for _ in range(2)))
+        finally:
+            await client.close()
+
+    for rollout in asyncio.run(scenario()):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say abc."}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        assert rollout.prompt_ids == prompt and 0 < len(rollout.completion_ids) <= MAX_TOKENS
+        assert all(rollout.completion_mask) and rollout.completion_versions == [0] * len(rollout.completion_ids)
+        assert all(lp < 0 for lp in rollout.completion_logprobs)
+        assert rollout.reward == float("abc" in rollout.completion_text) == rollout.metrics["reward/says_word"]
+        assert rollout.metrics["reply_chars"] == len(rollout.completion_text)
+
+
+def test_a_verifiers_id_that_is_not_installed_is_one_clear_line():
+    from i3core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        make_component("env", "verifiers", id="no_such_taskset_here", renderer_model="x")
+    assert str(caught.value).strip().splitlines() == [
+        "env.id: verifiers taskset 'no_such_taskset_here' is not installed (pip install its package), "
+        "got 'no_such_taskset_here'"]
