@@ -21,6 +21,7 @@ from i3core.plugins.envs.rubric import Rubric
 from i3core.plugins.envs.sandbox import SandboxConfig, SandboxEnv
 from i3core.plugins.envs.tool_calc import ToolCalc
 from i3core.plugins.envs.tools import StatefulToolEnv, ToolConfig, ToolEnv, tool_schema
+from i3core.plugins.envs.verifiers_env import VerifiersEnv
 
 
 @hookimpl
@@ -31,6 +32,7 @@ def i3_register_envs(register):
     register("group", EnvGroup)
     register("code", CodeEnv)
     register("reasoning-gym", ReasoningGym)
+    register("verifiers", VerifiersEnv)  # a verifiers 0.4 taskset (the `verifiers` extra)
 
 
 __all__ = ["CodeEnv", "EnvConfig", "EnvGroup", "Environment", "MultiTurnConfig", "MultiTurnEnv", "Rubric",

@@ -1,0 +1,244 @@
+"""A verifiers 0.4 environment evaluated against ``i3core serve``, through verifiers' own eval and training clients.
+
+The environment is a small taskset written here (a module in a temporary directory, found by verifiers' loader as
+any installed taskset is) played by verifiers' ``null`` harness: its chat program, a PEP 723 script, runs in the
+local ``subprocess`` runtime and talks to verifiers' interception server, which forwards each turn to ``i3core
+serve`` on a saved tiny-moe (random weights: the text is noise; what is checked is that rewards, token ids,
+logprobs and the server's per-token versions come back and agree with each other).
+
+verifiers prepares that chat program with ``uv sync --script`` on first use, which needs its dependencies. Nothing
+may be downloaded while the tests run, so ``.ci/run`` downloads them into a wheelhouse (``$I3CORE_VERIFIERS_WHEELS``,
+default ``.ci/verifiers-wheels``) and these tests point uv at it alone (``UV_DEFAULT_INDEX`` and ``UV_FIND_LINKS``) with a
+fresh uv cache. Without the wheelhouse they skip, unless ``I3CORE_REQUIRE_VERIFIERS=1`` (CI sets it) fails them.
+"""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import uv
+import verifiers.v1 as vf
+from transformers import AutoTokenizer
+from verifiers.v1.utils.loaders import load_environment
+
+from i3core.testing import make_component
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
+         "experts_per_token": 1, "moe_intermediate_size": 32}
+NAME = "tiny-served"
+MAX_TOKENS = 8
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""TinyMoE.render_chat for messages without tools, as the Jinja chat template verifiers' renderer reads."""
+
+TASKSET = textwrap.dedent('''
+    import verifiers.v1 as vf
+
+
+    class EchoData(vf.TaskData):
+        word: str
+
+
+    class EchoTask(vf.Task[EchoData]):
+        @vf.reward(weight=1.0)
+        async def says_word(self, trace: vf.Trace) -> float:
+            return float(self.data.word in (trace.messages[-1].content or ""))
+
+        @vf.metric
+        async def reply_chars(self, trace: vf.Trace) -> float:
+            return float(len(trace.messages[-1].content or ""))
+
+
+    class EchoConfig(vf.TasksetConfig):
+        num_tasks: int = 2
+
+
+    class EchoTaskset(vf.Taskset[EchoTask, EchoConfig]):
+        def load(self):
+            words = ["abc", "xyz", "hello"][: self.config.num_tasks]
+            return [EchoTask(EchoData(prompt=f"Say {w}.", word=w), self.config.task) for w in words]
+
+
+    __all__ = ["EchoTaskset"]
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def offline_uv(tmp_path_factory):
+    """uv on PATH, resolving the chat program's dependencies from the prepared wheelhouse only, into a fresh cache;
+    and the test taskset importable."""
+    wheels = Path(os.environ.get("I3CORE_VERIFIERS_WHEELS", ROOT / ".ci" / "verifiers-wheels"))
+    if not any(wheels.glob("*.whl")):
+        reason = f"no wheelhouse for verifiers' chat program at {wheels} (.ci/run prepares it)"
+        if os.environ.get("I3CORE_REQUIRE_VERIFIERS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    modules = tmp_path_factory.mktemp("taskset")
+    (modules / "i3_echo_taskset.py").write_text(TASKSET)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{Path(uv.find_uv_bin()).parent}{os.pathsep}{os.environ['PATH']}")
+        patch.setenv("UV_DEFAULT_INDEX", wheels.as_uri())  # in place of PyPI: uv has no variable for --no-index
+        patch.setenv("UV_FIND_LINKS", str(wheels))
+        patch.setenv("UV_PYTHON_DOWNLOADS", "never")
+        patch.setenv("UV_CACHE_DIR", str(tmp_path_factory.mktemp("uv-cache")))
+        patch.syspath_prepend(str(modules))
+        yield
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``i3core serve DIR`` in a subprocess, on a tiny-moe directory whose tokenizer carries a chat template;
+    yields (base URL, model dir)."""
+    directory = tmp_path_factory.mktemp("served") / "model"
+    model = make_component("model", "tiny-moe", **SMALL)
+    model.save_hf(model.build(seed=0), directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
+                             "--max-len", "1024", "--served-model-name", NAME,
+                             "--model-option", f"hidden_size={SMALL['hidden_size']}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", directory
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def evaluate(client: vf.BaseClientConfig, rollouts: int) -> list[vf.Episode]:
+    """Every task of the test taskset, ``rollouts`` episodes each, through verifiers' own env machinery."""
+    config = vf.SingleAgentEnvConfig.model_validate({
+        "taskset": {"id": "i3_echo_taskset"},
+        "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}},
+    })
+    env = load_environment(config)
+    ctx = vf.ModelContext(model=NAME, client=client, sampling=vf.Sampling(max_tokens=MAX_TOKENS, temperature=1.0))
+
+    async def scenario():
+        async with env.serving():
+            slots = [slot for task in env.taskset for slot in env.slots(task, rollouts)]
+            return await asyncio.gather(*(env.run_slot(slot, ctx) for slot in slots))
+
+    return asyncio.run(scenario())
+
+
+def check_scored(episode: vf.Episode) -> vf.Trace:
+    """The episode's one trace, finished, with its reward and metric as the task defines them on its reply."""
+    (trace,) = episode.traces
+    assert trace.ok and episode.ok, [e.message for e in [*episode.errors, *trace.errors]]
+    reply = trace.messages[-1]
+    assert reply.role == "assistant" and trace.calls[0].usage.completion_tokens <= MAX_TOKENS
+    word = trace.task.data["word"] if isinstance(trace.task.data, dict) else trace.task.data.word
+    assert trace.rewards["says_word"].score == float(word in (reply.content or ""))
+    assert trace.reward == trace.rewards["says_word"].score
+    assert trace.metrics["reply_chars"] == len(reply.content or "")
+    return trace
+
+
+def test_eval_client_scores_episodes_over_chat_completions(offline_uv, served):
+    url, _ = served
+    episodes = evaluate(vf.EvalClientConfig(base_url=url + "/v1", api_key_var="I3CORE_TEST_NO_KEY"), rollouts=2)
+    assert len(episodes) == 4
+    for episode in episodes:
+        trace = check_scored(episode)
+        assert trace.calls[0].model == NAME
+        assert [m.role for m in trace.messages] == ["user", "assistant"]
+
+
+def test_train_client_gets_token_ids_logprobs_and_session_versions(offline_uv, served):
+    url, directory = served
+    client = vf.TrainClientConfig(base_url=url + "/v1", api_key_var="I3CORE_TEST_NO_KEY",
+                                  renderer_model_name=str(directory))
+    episodes = evaluate(client, rollouts=2)
+    assert len(episodes) == 4
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+
+    async def records(ids):
+        async with aiohttp.ClientSession() as session:
+            out = []
+            for trace_id in ids:
+                async with session.get(f"{url}/inference/v1/sessions/{trace_id}") as response:
+                    assert response.status == 200
+                    out.append(await response.json())
+            return out
+
+    traces = [check_scored(episode) for episode in episodes]
+    for trace, record in zip(traces, asyncio.run(records([t.id for t in traces])), strict=True):
+        (branch,) = trace.branches
+        ids, mask, logprobs = branch.token_ids, branch.sampled_mask, branch.logprobs
+        assert len(ids) == len(mask) == len(logprobs)
+        prompt = tokenizer.apply_chat_template([m.model_dump(include={"role", "content"}) for m in trace.messages[:-1]],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+        n = len(prompt)
+        assert ids[:n] == prompt  # rendered with the model directory's chat template
+        assert not any(mask[:n]) and all(mask[n:]) and 0 < len(ids) - n <= MAX_TOKENS
+        assert all(lp < 0 for lp in logprobs[n:])  # the server's logprobs of the sampled tokens
+        assert tokenizer.decode(ids[n:], skip_special_tokens=True) == trace.messages[-1].content
+        (turn,) = record["turns"]  # the server's record under X-Session-ID = the trace's id
+        assert turn["prompt_len"] == n and turn["token_ids"] == ids[n:]
+        assert turn["versions"] == [0] * (len(ids) - n)
+
+
+# -- [env] use = "verifiers": episodes as i3core Rollouts ---------------------------------------------------------
+
+
+def test_verifiers_env_component_turns_episodes_into_rollouts(offline_uv, served):
+    from i3core.plugins.inference.client import InferenceClient
+
+    url, directory = served
+    env = make_component("env", "verifiers", id="i3_echo_taskset", args={"num_tasks": 1},
+                         renderer_model=str(directory), max_tokens=MAX_TOKENS, max_turns=2)
+    (example,) = env.examples()
+    assert example.prompt == "Say abc."
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+
+    async def scenario():
+        client = InferenceClient(url, tokenizer)
+        try:
+            return await asyncio.gather(*(env.rollout(client, example) for _ in range(2)))
+        finally:
+            await client.close()
+
+    for rollout in asyncio.run(scenario()):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say abc."}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        assert rollout.prompt_ids == prompt and 0 < len(rollout.completion_ids) <= MAX_TOKENS
+        assert all(rollout.completion_mask) and rollout.completion_versions == [0] * len(rollout.completion_ids)
+        assert all(lp < 0 for lp in rollout.completion_logprobs)
+        assert rollout.reward == float("abc" in rollout.completion_text) == rollout.metrics["reward/says_word"]
+        assert rollout.metrics["reply_chars"] == len(rollout.completion_text)
+
+
+def test_a_verifiers_id_that_is_not_installed_is_one_clear_line():
+    from i3core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        make_component("env", "verifiers", id="no_such_taskset_here", renderer_model="x")
+    assert str(caught.value).strip().splitlines() == [
+        "env.id: verifiers taskset 'no_such_taskset_here' is not installed (pip install its package), "
+        "got 'no_such_taskset_here'"]
