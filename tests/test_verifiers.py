@@ -242,3 +242,28 @@ def test_a_verifiers_id_that_is_not_installed_is_one_clear_line():
     assert str(caught.value).strip().splitlines() == [
         "env.id: verifiers taskset 'no_such_taskset_here' is not installed (pip install its package), "
         "got 'no_such_taskset_here'"]
+
+
+@pytest.mark.slow
+def test_a_verifiers_environment_package_trains_two_steps(offline_uv, tmp_path):
+    """examples/i3-verifiers-example, importable as an installed package is, trained by ``i3core run`` with
+    examples/verifiers.toml: the renderer defaults to the served model's directory, and trainer and server agree
+    on the logprobs of the tokens verifiers' training client sampled."""
+    from .conftest import assert_ledger
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples" / "i3-verifiers-example"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "verifiers.toml"),
+         "--set", f"run.output_dir='{out}'", "--set", "run.max_steps=2", "--set", "scheduler.group_size=4",
+         "--set", "scheduler.batch_size=16", "--set", "scheduler.inflight=16"],
+        capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_ledger(rows)
+    assert all(r["rollouts/trained"] > 0 for r in rows) and rows[-1]["rollouts/masked"] == 0
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    diffs = [r["mismatch/same_version_abs_diff"] for r in rows if r.get("mismatch/same_version_abs_diff") is not None]
+    assert diffs and max(diffs) < 1e-4  # versions re-attached: samples of one version compare one to one

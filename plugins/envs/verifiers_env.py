@@ -13,12 +13,13 @@ tokens disagree with the server's record is masked with that reason.
 Imports: the contract and modules of its own kind (envs); verifiers itself (the ``verifiers`` extra).
 """
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from i3core.errors import RolloutMasked
+from i3core.errors import I3Error, RolloutMasked
 from i3core.plugins.envs.base import ENV_TOKEN_VERSION
 from i3core.types import Example, Rollout
 
@@ -31,8 +32,9 @@ class VerifiersConfig(BaseModel):
 
     id: str = Field(description="The verifiers taskset id: an installed package exporting its Taskset in __all__.")
     args: dict[str, Any] = Field(default_factory=dict, description="The taskset's config fields.")
-    renderer_model: str = Field(description="Tokenizer (HF directory or id) with the chat template verifiers' "
-                                            "training client renders with: the served model's.")
+    renderer_model: str | None = Field(
+        None, description="Tokenizer directory with the chat template verifiers' training client renders with "
+                          "(default: the served model's directory, which the builtin server reports as its name).")
     harness: dict[str, Any] = Field(default_factory=lambda: {"id": "null"},
                                     description="verifiers harness config (default: the null chat loop).")
     runtime: dict[str, Any] = Field(default_factory=lambda: {"type": "subprocess"},
@@ -45,7 +47,10 @@ class VerifiersConfig(BaseModel):
     @field_validator("id")
     @classmethod
     def _installed(cls, value: str) -> str:
-        from verifiers.v1.utils.loaders import taskset_class
+        try:
+            from verifiers.v1.utils.loaders import taskset_class
+        except ModuleNotFoundError:
+            raise ValueError("env verifiers needs verifiers 0.4: pip install 'i3core[verifiers]'") from None
 
         try:
             taskset_class(value)
@@ -92,8 +97,12 @@ class VerifiersEnv:
         base_url = client.base_url
         async with aiohttp.ClientSession() as session:
             model = await self._served_name(session, base_url)
+            renderer = self.config.renderer_model or model
+            if not (Path(renderer) / "tokenizer_config.json").is_file():
+                raise I3Error(f"env verifiers: no tokenizer directory to render chats with at {renderer!r} (the "
+                              "served model's name): set [env] renderer_model to the model's directory")
             train = vf.TrainClientConfig(base_url=base_url + "/v1", api_key_var="I3CORE_VERIFIERS_NO_KEY",
-                                         renderer_model_name=self.config.renderer_model)
+                                         renderer_model_name=renderer)
             ctx = vf.ModelContext(model=model, client=train, sampling=vf.Sampling(
                 max_tokens=self.config.max_tokens, temperature=self.config.temperature))
             task = self._tasks[example.info["task"]]

@@ -83,7 +83,7 @@ class TinyMoE:
 
     @staticmethod
     def render_chat(messages: list[dict], tools: list[dict] | None = None) -> str:
-        """ChatML (``<|im_start|>role\ncontent<|im_end|>\n`` per message, then the assistant's turn opened), with
+        """The chat template the saved tokenizer carries (``tokenizer.CHAT_TEMPLATE``), in Python: ChatML (``<|im_start|>role\ncontent<|im_end|>\n`` per message, then the assistant's turn opened), with
         Qwen's tool format: ``tools`` as JSON lines in a ``<tools>`` block of the system message, an assistant's
         ``tool_calls`` as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after its content, and
         each tool result as a turn of role ``tool``."""
@@ -99,8 +99,9 @@ class TinyMoE:
             content = m.get("content") or ""
             for call in m.get("tool_calls") or []:
                 fn = call["function"]
-                body = {"name": fn["name"], "arguments": json.loads(fn["arguments"] or "{}")}
-                content += f"{chr(10) if content else ''}<tool_call>{json.dumps(body)}</tool_call>"
+                arguments = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+                content += (f'{chr(10) if content else ""}<tool_call>{{"name": {json.dumps(fn["name"])}, '
+                            f'"arguments": {arguments or "{}"}}}</tool_call>')
             turns.append(f"{IM_START}{m['role']}\n{content}{IM_END}\n")
         return "".join(turns) + f"{IM_START}assistant\n"
 

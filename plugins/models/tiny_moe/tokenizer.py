@@ -44,8 +44,37 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(messages=messages, offer='', content='') -%}"
+    "{%- if tools -%}"
+    "{%- set ns.offer = '# Tools\\n<tools>\\n' -%}"
+    "{%- for tool in tools -%}{%- set ns.offer = ns.offer + (tool | tojson(sort_keys=True)) + '\\n' -%}{%- endfor -%}"
+    "{%- set ns.offer = ns.offer + '</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    "</tool_call>' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '\\n\\n' + ns.offer + '<|im_end|>\\n' -}}"
+    "{%- set ns.messages = messages[1:] -%}"
+    "{%- else -%}{{- '<|im_start|>system\\n' + ns.offer + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- for m in ns.messages -%}"
+    "{%- set ns.content = m['content'] or '' -%}"
+    "{%- for call in m.get('tool_calls') or [] -%}"
+    "{%- set args = call['function']['arguments'] -%}"
+    "{%- if args is not string -%}{%- set args = args | tojson -%}{%- endif -%}"
+    "{%- set ns.content = ns.content + ('\\n' if ns.content else '') + '<tool_call>{\"name\": ' + "
+    "(call['function']['name'] | tojson) + ', \"arguments\": ' + (args or '{}') + '}</tool_call>' -%}"
+    "{%- endfor -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + ns.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""ChatML with Qwen's tool format, as a Jinja chat template: what ``TinyMoE.render_chat`` writes, for tokenizers
+loaded with ``AutoTokenizer`` (verifiers' renderers, vLLM, transformers)."""
+
+
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
-    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that ``AutoTokenizer`` reads."""
+    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that ``AutoTokenizer`` reads (with the chat
+    template)."""
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -53,6 +82,7 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
         "pad_token": PAD,
         "model_max_length": 1 << 20,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
