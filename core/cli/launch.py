@@ -46,7 +46,7 @@ class Sizes:
 
 def default_templates() -> Path:
     """``deploy/`` of the source tree this package runs from (an editable install or a checkout)."""
-    return Path(__file__).resolve().parent.parent / "deploy"
+    return Path(__file__).resolve().parents[2] / "deploy"  # core/cli/launch.py -> the source tree
 
 
 def render(template: str, values: dict[str, object], where: str = "template") -> str:
