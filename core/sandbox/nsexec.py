@@ -373,11 +373,12 @@ class NsExec:
                 return json.loads(rest)
         raise SandboxError("probing the host: the fork server did not answer")
 
-    async def create_init(self, root: Path, work: Path, workdir: str, uid_base: int, tmp_mb: int) -> tuple[int, int]:
-        """A new sandbox init (see :mod:`i3core.sandbox.nsfork`) with its root built on ``root`` (an empty directory) and
-        ``work`` as its work directory; :return: (its host pid, the uid its commands run as)."""
-        request = {"op": "create", "root": str(root), "work": str(work), "workdir": workdir, "uid_base": uid_base,
-                   "tmp_mb": tmp_mb}  # fmt: skip
+    async def create_init(self, root: Path, workdir: str, uid_base: int, disk_mb: int) -> tuple[int, int]:
+        """A new sandbox init (see :mod:`i3core.sandbox.nsfork`) with its root built on ``root`` (an empty directory)
+        and a disk of ``disk_mb`` (a tmpfs at ``workdir``, /tmp and /dev/shm); :return: (its host pid, the uid its
+        commands run as)."""
+        request = {"op": "create", "root": str(root), "workdir": workdir, "uid_base": uid_base,
+                   "disk_mb": disk_mb}  # fmt: skip
         for kind, rest in await self._call(request, "starting the sandbox", []):
             if kind == "P":
                 pid, uid = rest.split()
