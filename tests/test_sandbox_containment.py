@@ -183,6 +183,7 @@ attempt("clone3", 0, 0)
 attempt("ptrace", 0)  # PTRACE_TRACEME
 attempt("perf_event_open", 0, 0, -1, -1, 0)  # a NULL attr: EFAULT if the call were let in
 attempt("io_uring_setup", 1, 0)
+attempt("pidfd_getfd", -1, 0, 0)  # EBADF if the call were let in
 for protocol in (15, 0):  # NETLINK_KOBJECT_UEVENT (host device events), NETLINK_ROUTE (ip addr)
     try:
         socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol).close()
@@ -191,9 +192,9 @@ for protocol in (15, 0):  # NETLINK_KOBJECT_UEVENT (host device events), NETLINK
         print("netlink", protocol, exc.strerror)
 """
 NUMBERS = {"x86_64": {"unshare": 272, "clone": 56, "clone3": 435, "ptrace": 101, "perf_event_open": 298,
-                      "io_uring_setup": 425},
+                      "io_uring_setup": 425, "pidfd_getfd": 438},
            "aarch64": {"unshare": 97, "clone": 220, "clone3": 435, "ptrace": 117, "perf_event_open": 241,
-                       "io_uring_setup": 425}}[platform.machine()]  # fmt: skip
+                       "io_uring_setup": 425, "pidfd_getfd": 438}}[platform.machine()]  # fmt: skip
 """The kernel's numbers, written out here rather than taken from the filter's own table."""
 DENIED = "Operation not permitted"
 
@@ -219,7 +220,7 @@ def test_commands_run_under_i3cores_seccomp_filter(backend):
             assert result.exit_code == 0, result
             assert result.stdout.splitlines() == [
                 f"unshare {DENIED}", f"unshare {DENIED}", f"clone {DENIED}", "clone3 Function not implemented",
-                f"ptrace {DENIED}", f"perf_event_open {DENIED}", f"io_uring_setup {DENIED}",
+                f"ptrace {DENIED}", f"perf_event_open {DENIED}", f"io_uring_setup {DENIED}", f"pidfd_getfd {DENIED}",
                 f"netlink 15 {DENIED}", "netlink 0 ok"], result.stdout  # fmt: skip
             fork = await sb.exec("echo a | cat")  # clone without namespace flags still forks
             assert (fork.exit_code, fork.stdout) == (0, "a\n"), fork

@@ -88,6 +88,7 @@ DENIED_SYSCALLS = {
     "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
     "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "fanotify_init": (300, 262),
     "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "lookup_dcookie": (212, 18),
+    "kcmp": (312, 272), "pidfd_getfd": (438, 438), "process_madvise": (440, 440),
     # the machine itself: kernels, modules, reboot, swap, clocks, accounting, the kernel log, quotas
     "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
     "finit_module": (313, 273), "delete_module": (176, 106), "reboot": (169, 142), "swapon": (167, 224),
