@@ -228,6 +228,33 @@ def test_commands_run_under_i3cores_seccomp_filter(backend):
     run(go())
 
 
+FOREIGN_TABLE = r"""
+import ctypes, mmap, sys
+code = {"i386": b"\xb8\x14\x00\x00\x00\xcd\x80\xc3",  # mov eax, 20 (getpid); int 0x80; ret
+        "x32": b"\xb8\x27\x00\x00\x40\x0f\x05\xc3"}[sys.argv[1]]  # mov eax, 39 | X32_SYSCALL_BIT; syscall; ret
+page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+print(ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(page)))())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the 32-bit and x32 tables are x86_64's")
+def test_system_calls_of_other_tables(backend):
+    """A 32-bit call kills the process under both; an x32 one gets EPERM from local's raw filter and
+    libseccomp's bad-architecture kill under docker's profile (docs/sandboxes.md says so)."""
+    async def go():
+        async with await backend.create() as sb:
+            i386 = await sb.exec(["python3", "-c", FOREIGN_TABLE, "i386"])
+            assert i386.exit_code == -31 and i386.stdout == "", i386  # SIGSYS
+            x32 = await sb.exec(["python3", "-c", FOREIGN_TABLE, "x32"])
+            if hasattr(sb, "_jail"):
+                assert (x32.exit_code, x32.stdout) == (0, "-1\n"), x32
+            else:
+                assert x32.exit_code == -31 and x32.stdout == "", x32
+
+    run(go())
+
+
 def test_local_refuses_unshare_from_its_own_tool(tmp_path):
     """The host's unshare(1), as a model would reach for it (docker's test image has no util-linux)."""
     backend = backend_for("local", tmp_path)
