@@ -178,7 +178,8 @@ class Agent:
         empty_dir_fd(self.work_fd)
         restore_dir(self.work_fd, self.jail.uid, self.jail.gid, self.work_mode)
         if self.tmp_fd is not None:
-            remove_entries_of(self.tmp_fd, self.jail.uid)
+            work = os.fstat(self.work_fd)
+            remove_entries_of(self.tmp_fd, self.jail.uid, keep=(work.st_dev, work.st_ino))
 
     async def health(self, request: web.Request) -> web.Response:
         if self.target_alive():
@@ -214,13 +215,17 @@ async def announce(url: str, token: str, sandbox_id: str, address: str) -> None:
     raise SandboxError(f"readiness POST to {url} failed {READY_TRIES} times; last: {last}")
 
 
-def remove_entries_of(dir_fd: int, uid: int) -> None:
+def remove_entries_of(dir_fd: int, uid: int, keep: tuple[int, int]) -> None:
     """Remove every entry of the directory ``dir_fd`` owned by ``uid``, a directory with all it holds (at any depth,
-    never following a symlink). Only the commands' own: the target's /tmp may hold its user's files; with every
-    process of ``uid`` dead, nothing of theirs can change meanwhile."""
+    never following a symlink), but the directory ``keep`` (st_dev, st_ino: the work directory, which may lie in
+    /tmp). Only the commands' own: the target's /tmp may hold its user's files; with every process of ``uid``
+    dead, nothing of theirs can change meanwhile."""
     with os.scandir(dir_fd) as entries:
-        owned = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries
-                 if entry.stat(follow_symlinks=False).st_uid == uid]  # fmt: skip
+        owned = []
+        for entry in entries:
+            info = entry.stat(follow_symlinks=False)
+            if info.st_uid == uid and (info.st_dev, info.st_ino) != keep:
+                owned.append((entry.name, entry.is_dir(follow_symlinks=False)))
     for name, is_dir in owned:
         if not is_dir:
             os.unlink(name, dir_fd=dir_fd)
