@@ -21,9 +21,9 @@ datagram, one fork of that small server and one execve.
 
 Files go beneath the work directory with
 :func:`~i3core.sandbox.base.read_beneath`/:func:`~i3core.sandbox.base.write_beneath`
-(no symlink ever followed), through a host path of it (the local backend's
-backing directory, or for the agent ``/proc/self/fd/N`` of the work
-directory it opened once at startup).
+(no symlink ever followed), through ``/proc/self/fd/N`` of the work
+directory opened once (the local backend at creation, through the init's
+root: it lies on the sandbox's own disk tmpfs; the agent at startup).
 
 Limits come from cgroup v1 controllers (memory, pids, cpu) where the host
 lets us make child cgroups of our own; without a memory cgroup, memory is an
