@@ -146,7 +146,10 @@ class LocalSandbox(SandboxBase):
     def _empty(self) -> None:
         """Empty the work directory (on the host) and the scratch tmpfs, those relative to the init's root opened
         and checked to be our init's once: never a /proc/<pid> path that a reused pid points elsewhere."""
-        dirs = [os.dup(self._work)]
+        with self._work_lock:  # a close meanwhile cannot hand the descriptor's number to another file
+            if self._closed:
+                raise SandboxError(f"sandbox {self.id} is closed")
+            dirs = [os.dup(self._work)]
         try:
             root = nsexec.open_root(self._jail.pid, self._pidfd, f"sandbox {self.id}")
             try:
