@@ -69,9 +69,24 @@ class ReadyReceiver:
         self._thread.join(30)
 
 
-def start_target(mark: str) -> tuple[subprocess.Popen, int]:
-    """``unshare`` with new mount and pid namespaces around ``sleep MARK``; (the unshare process, the sleeper's pid)."""
-    holder = subprocess.Popen(["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "sleep", mark])
+OWN_TMP = """
+import ctypes, os, sys
+keep, mark = sys.argv[1:]
+libc = ctypes.CDLL(None, use_errno=True)
+held = os.open(keep, os.O_PATH)  # the host's directory, reachable once /tmp is covered
+assert libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=16m,mode=1777") == 0, ctypes.get_errno()
+os.makedirs(keep)
+assert libc.mount(f"/proc/self/fd/{held}".encode(), keep.encode(), None, 4096, None) == 0, ctypes.get_errno()
+os.execvp("sleep", ["sleep", mark])
+"""
+
+
+def start_target(mark: str, keep: Path) -> tuple[subprocess.Popen, int]:
+    """``unshare`` with new mount and pid namespaces around ``sleep MARK``, with a /tmp of its own (a reset removes
+    the commands' entries there: never the host's) in which the host's directory ``keep`` is bound at its own path;
+    (the unshare process, the sleeper's pid)."""
+    holder = subprocess.Popen(["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+                               sys.executable, "-c", OWN_TMP, str(keep), mark])  # fmt: skip
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         children = psutil.Process(holder.pid).children()
@@ -80,6 +95,11 @@ def start_target(mark: str) -> tuple[subprocess.Popen, int]:
         time.sleep(0.05)
     holder.kill()
     raise RuntimeError("unshare did not start its sleeper")
+
+
+def root_of(path: Path) -> str:
+    """The first component under /tmp of ``path`` (pytest's base directory)."""
+    return path.relative_to("/tmp").parts[0]
 
 
 def agent_argv(*args: str) -> list[str]:
@@ -118,7 +138,7 @@ def agent(tmp_path_factory):
     root.chmod(0o755)
     work = root / "work"  # made by the agent
     mark = str(2_000_000_000 + secrets.randbelow(100_000_000))
-    holder, target_pid = start_target(mark)
+    holder, target_pid = start_target(mark, root)
     receiver = ReadyReceiver()
     receiver.start()
     proc = subprocess.Popen(agent_argv("--target-match", f"^sleep {mark}$", "--host", "127.0.0.1", "--port", "0",
@@ -206,8 +226,14 @@ def test_files_round_trip_and_refusals(agent):
 def test_reset_kills_and_empties(agent):
     agent.call("PUT", "/files?path=x/y", b"1")
     agent.exec("sleep 300 >/dev/null 2>&1 &")
+    tmp = Path(f"/proc/{agent.target_pid}/root/tmp")
+    (tmp / "the-targets").write_text("kept")  # the target's own (root's): not the commands' to leave or take
+    made = agent.exec("touch /tmp/left && mkdir -p /tmp/d/e && touch /tmp/d/e/f && ln -s /etc /tmp/link && ls /tmp")
+    assert sorted(made["stdout"].split()) == sorted(["d", "left", "link", "the-targets", root_of(agent.work)]), made
     assert agent.call("POST", "/reset") == (204, b"")
     assert list(agent.work.iterdir()) == []
+    assert sorted(os.listdir(tmp)) == sorted(["the-targets", root_of(agent.work)])  # judged from the host
+    assert os.path.isdir("/etc") and agent.work.is_dir()
     rows = [line.split() for line in agent.exec(["ps", "-eo", "uid=,stat=,comm="])["stdout"].splitlines()]
     assert [row for row in rows if int(row[0]) == AGENT_UID and row[1] != "Z" and row[2] != "ps"] == [], rows
 

@@ -92,7 +92,7 @@ def test_every_manifest_survives_the_client_models_unchanged(token, webhook_url,
 
 
 def test_pod_security_settings(token):
-    cfg = K8sConfig(webhook_url=WEBHOOK_BY_IP, memory_mb=768, cpus=1.5)
+    cfg = K8sConfig(webhook_url=WEBHOOK_BY_IP, memory_mb=768, cpus=1.5, disk_mb=300)
     pod = pod_manifest(cfg, "i3core-0a1b2c3d4e")
     spec = pod["spec"]
     assert spec["shareProcessNamespace"] is True and spec["automountServiceAccountToken"] is False
@@ -109,7 +109,7 @@ def test_pod_security_settings(token):
     assert target["resources"]["limits"] == {"cpu": "10m", "memory": "16Mi"}
     assert {"name": "work", "mountPath": "/work"} in target["volumeMounts"]
     work = next(v for v in spec["volumes"] if v["name"] == "work")
-    assert work["emptyDir"] == {"medium": "Memory", "sizeLimit": "768Mi"}
+    assert work["emptyDir"] == {"medium": "Memory", "sizeLimit": "300Mi"}
     asc = agent["securityContext"]
     assert asc["capabilities"]["drop"] == ["ALL"] and {"SYS_ADMIN", "SYS_PTRACE"} <= set(asc["capabilities"]["add"])
     assert asc["privileged"] is False and asc["readOnlyRootFilesystem"] is True

@@ -16,7 +16,10 @@ shared by its containers, the commands get none of it. Cgroup limits apply
 where the agent may make a child cgroup of its own; in a Pod the container's
 own limits are the backstop. Not covered: the agent itself holds the
 privileges to enter other namespaces, so it must only be reachable by the
-orchestrator (a NetworkPolicy, the token).
+orchestrator (a NetworkPolicy, the token). ``/reset`` empties the work
+directory and the IPC namespace and removes the commands' own entries (those
+of their uid) from the target's /tmp; what they left in another user's
+world-writable directory there, and /dev/shm, stay.
 
 Once serving it POSTs ``{"sandbox": <id>, "address": "host:port"}`` with its
 token to ``--ready-url`` (bounded retries): readiness is pushed, nobody polls.
@@ -89,7 +92,7 @@ def _error(status: int, message: str) -> web.Response:
 class Agent:
     """The HTTP handlers over one target."""
 
-    def __init__(self, jail: Jail, server: NsExec, pidfd: int, work_fd: int, token: str):
+    def __init__(self, jail: Jail, server: NsExec, pidfd: int, work_fd: int, tmp_fd: int | None, token: str):
         self.jail = jail
         self.server = server
         self.pidfd = pidfd
@@ -98,6 +101,8 @@ class Agent:
         renames the path to it (or plants a symlink there) cannot redirect them onto the agent's own files."""
         self.work_mode = os.fstat(work_fd).st_mode & 0o7777
         """Its mode before any command ran, which every reset restores."""
+        self.tmp_fd = tmp_fd
+        """The target's /tmp (None: it has none), opened once at startup like the work directory."""
         self.token = token
 
     def target_alive(self) -> bool:
@@ -168,9 +173,13 @@ class Agent:
         return web.Response(status=204)
 
     def _empty(self) -> None:
-        """Empty the work directory and give it back its owner and mode, without its extended attributes."""
+        """Empty the work directory and give it back its owner and mode, without its extended attributes; remove
+        what the commands left in /tmp."""
         empty_dir_fd(self.work_fd)
         restore_dir(self.work_fd, self.jail.uid, self.jail.gid, self.work_mode)
+        if self.tmp_fd is not None:
+            work = os.fstat(self.work_fd)
+            remove_entries_of(self.tmp_fd, self.jail.uid, keep=(work.st_dev, work.st_ino))
 
     async def health(self, request: web.Request) -> web.Response:
         if self.target_alive():
@@ -206,6 +215,39 @@ async def announce(url: str, token: str, sandbox_id: str, address: str) -> None:
     raise SandboxError(f"readiness POST to {url} failed {READY_TRIES} times; last: {last}")
 
 
+def remove_entries_of(dir_fd: int, uid: int, keep: tuple[int, int]) -> None:
+    """Remove every entry of the directory ``dir_fd`` owned by ``uid``, a directory with all it holds (at any depth,
+    never following a symlink), but the directory ``keep`` (st_dev, st_ino: the work directory, which may lie in
+    /tmp). Only the commands' own: the target's /tmp may hold its user's files; with every process of ``uid``
+    dead, nothing of theirs can change meanwhile."""
+    with os.scandir(dir_fd) as entries:
+        owned = []
+        for entry in entries:
+            info = entry.stat(follow_symlinks=False)
+            if info.st_uid == uid and (info.st_dev, info.st_ino) != keep:
+                owned.append((entry.name, entry.is_dir(follow_symlinks=False)))
+    for name, is_dir in owned:
+        if not is_dir:
+            os.unlink(name, dir_fd=dir_fd)
+            continue
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            empty_dir_fd(fd)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=dir_fd)
+
+
+def open_tmp(target: int) -> int | None:
+    """The target's /tmp, opened without following a symlink; None if it has none."""
+    try:
+        return open_dir_beneath(f"/proc/{target}/root", ["tmp"])
+    except SandboxFileNotFound:
+        return None
+    except (OSError, SandboxFileError) as exc:
+        raise I3Error(f"/tmp in target pid {target}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
 def open_workdir(target: int, workdir: str, uid: int, gid: int) -> int:
     """The work directory inside the target, made if missing (no symlink followed) and owned by the command user;
     :return: an fd of it, which the agent keeps for every file op and reset."""
@@ -233,6 +275,7 @@ async def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise I3Error(f"target pid {target}: {exc.strerror}") from None
     work_fd = open_workdir(target, limits.workdir, args.uid, args.gid)
+    tmp_fd = open_tmp(target)
     parents, missing = nsexec.cgroup_parents()
     if missing:
         log.warning("sandbox agent runs without: " + "; ".join(f"cgroup {n} ({why})" for n, why in missing.items()))
@@ -242,7 +285,7 @@ async def serve(args: argparse.Namespace) -> int:
     server.start()
     jail = Jail(pid=target, uid=args.uid, gid=args.gid, limits=limits, files=Path(f"/proc/self/fd/{work_fd}"),
                 pidfd=pidfd, cgroup=cgroup)  # fmt: skip
-    agent = Agent(jail, server, pidfd, work_fd, token)
+    agent = Agent(jail, server, pidfd, work_fd, tmp_fd, token)
     runner = web.AppRunner(agent.app(), access_log=None)
     await runner.setup()
     try:
@@ -268,6 +311,8 @@ async def serve(args: argparse.Namespace) -> int:
         server.close()
         os.close(pidfd)
         os.close(work_fd)
+        if tmp_fd is not None:
+            os.close(tmp_fd)
         if cgroup is not None:
             await cgroup.remove()
     return 0

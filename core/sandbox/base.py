@@ -48,6 +48,9 @@ class SandboxConfig(BaseModel):
     pids: int = Field(128, ge=8, description="Most processes and threads alive in the sandbox at once.")
     cpus: float = Field(1.0, gt=0, description="CPU cores the sandbox may use at once.")
     file_size_mb: int = Field(256, ge=1, description="Largest file a command may write.")
+    disk_mb: int = Field(256, ge=1, description="Size of the sandbox's disk: a tmpfs holding its work directory and "
+                         "/tmp (with local one tmpfs for both and /dev/shm; with docker one each). It is memory, "
+                         "charged to memory_mb as it fills.")  # fmt: skip
     workdir: str = Field("/work", pattern=r"^/[^\x00]*$", description="The work directory inside the sandbox.")
     warm: int = Field(0, ge=0, description="Sandboxes the run's pool keeps created and idle ahead of demand.")
     max_concurrent: int = Field(64, ge=1, description="Most sandboxes leased to rollouts at once.")

@@ -21,9 +21,9 @@ datagram, one fork of that small server and one execve.
 
 Files go beneath the work directory with
 :func:`~i3core.sandbox.base.read_beneath`/:func:`~i3core.sandbox.base.write_beneath`
-(no symlink ever followed), through a host path of it (the local backend's
-backing directory, or for the agent ``/proc/self/fd/N`` of the work
-directory it opened once at startup).
+(no symlink ever followed), through ``/proc/self/fd/N`` of the work
+directory opened once (the local backend at creation, through the init's
+root: it lies on the sandbox's own disk tmpfs; the agent at startup).
 
 Limits come from cgroup v1 controllers (memory, pids, cpu) where the host
 lets us make child cgroups of our own; without a memory cgroup, memory is an
@@ -373,11 +373,12 @@ class NsExec:
                 return json.loads(rest)
         raise SandboxError("probing the host: the fork server did not answer")
 
-    async def create_init(self, root: Path, work: Path, workdir: str, uid_base: int, tmp_mb: int) -> tuple[int, int]:
-        """A new sandbox init (see :mod:`i3core.sandbox.nsfork`) with its root built on ``root`` (an empty directory) and
-        ``work`` as its work directory; :return: (its host pid, the uid its commands run as)."""
-        request = {"op": "create", "root": str(root), "work": str(work), "workdir": workdir, "uid_base": uid_base,
-                   "tmp_mb": tmp_mb}  # fmt: skip
+    async def create_init(self, root: Path, workdir: str, uid_base: int, disk_mb: int) -> tuple[int, int]:
+        """A new sandbox init (see :mod:`i3core.sandbox.nsfork`) with its root built on ``root`` (an empty directory)
+        and a disk of ``disk_mb`` (a tmpfs at ``workdir``, /tmp and /dev/shm); :return: (its host pid, the uid its
+        commands run as)."""
+        request = {"op": "create", "root": str(root), "workdir": workdir, "uid_base": uid_base,
+                   "disk_mb": disk_mb}  # fmt: skip
         for kind, rest in await self._call(request, "starting the sandbox", []):
             if kind == "P":
                 pid, uid = rest.split()

@@ -16,8 +16,9 @@ Operations (``op``):
 - ``create``: a new sandbox init, forked straight into a new pid namespace
   (the server unshares one for that fork and returns to its own): pid 1 of
   fresh pid, mount, net, ipc and uts namespaces, with a private read-only
-  root (see the local backend's module docstring), a fresh /proc, a tmpfs
-  /tmp, a minimal /dev and the work directory bound from the host; then it
+  root (see the local backend's module docstring), a fresh /proc, a minimal
+  /dev, and one size-limited tmpfs (its disk) bound at /tmp, /dev/shm and the
+  work directory; then it
   execs ``sleep`` (a 1 MB process, not a copy of this server). Its uid for
   commands is ``uid_base + its host pid`` (unique among live sandboxes). It
   lives until it is killed, or until this server (and so the requester) dies
@@ -87,6 +88,7 @@ DENIED_SYSCALLS = {
     "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
     "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "fanotify_init": (300, 262),
     "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "lookup_dcookie": (212, 18),
+    "kcmp": (312, 272), "pidfd_getfd": (438, 438), "process_madvise": (440, 440),
     # the machine itself: kernels, modules, reboot, swap, clocks, accounting, the kernel log, quotas
     "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
     "finit_module": (313, 273), "delete_module": (176, 106), "reboot": (169, 142), "swapon": (167, 224),
@@ -151,6 +153,28 @@ def install_seccomp() -> None:
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(SECCOMP_FPROG), 0, 0), "seccomp")
 
 
+SCMP_ARCH = {"x86_64": "SCMP_ARCH_X86_64", "aarch64": "SCMP_ARCH_AARCH64"}
+
+
+def seccomp_profile() -> dict:
+    """The same filter as a seccomp profile in the JSON format of Docker (``security_opt=["seccomp=<json>"]``), built
+    from the same lists: every system call allowed but ``DENIED_SYSCALLS`` (EPERM), ``clone`` with any namespace
+    flag (EPERM: one rule per flag, as the format ANDs a rule's conditions and has no "any of these bits"),
+    ``clone3`` (ENOSYS) and ``socket(AF_NETLINK, *, protocol != NETLINK_ROUTE)`` (EPERM). Only this machine's
+    architecture is listed: a system call of another table (32-bit, x32) gets libseccomp's bad-architecture action
+    (the process is killed), where the raw filter gives x32 EPERM."""
+    eperm = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
+    flags = [1 << bit for bit in range(32) if NAMESPACE_FLAGS >> bit & 1]
+    rules = [{"names": sorted(DENIED_SYSCALLS), **eperm}]
+    rules += [{"names": ["clone"], **eperm, "args": [{"index": 0, "value": flag, "valueTwo": flag,
+                                                     "op": "SCMP_CMP_MASKED_EQ"}]} for flag in flags]  # fmt: skip
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
+    rules.append({"names": ["socket"], **eperm, "args": [
+        {"index": 0, "value": AF_NETLINK, "valueTwo": 0, "op": "SCMP_CMP_EQ"},
+        {"index": 2, "value": NETLINK_ROUTE, "valueTwo": 0, "op": "SCMP_CMP_NE"}]})
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": [SCMP_ARCH[platform.machine()]], "syscalls": rules}
+
+
 # --- kernel keyrings ------------------------------------------------------------------------------
 
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
@@ -197,6 +221,9 @@ ETC_SHARED = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "loca
 INIT = ("/bin/sleep", "2147483647")
 """What a sandbox's init becomes once its root is built: the smallest process that just stays (SIGCHLD is ignored,
 so the kernel reaps orphans for it), not a copy of this server."""
+DISK_MOUNT = ".i3core-disk"
+"""Where the sandbox's disk tmpfs is first mounted in its new root, to bind its three directories from; unmounted
+and removed before the pivot."""
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM)
 """Signals Python (or this server) changed that a command must start with at their defaults."""
@@ -287,8 +314,9 @@ def _write(path: str, text: str) -> None:
         file.write(text)
 
 
-def setup_root(new: str, work: str, workdir: str, uid: int, tmp_mb: int) -> None:
-    """Build the sandbox's root on a tmpfs at ``new`` and pivot into it (we are pid 1 of fresh namespaces)."""
+def setup_root(new: str, workdir: str, uid: int, disk_mb: int) -> None:
+    """Build the sandbox's root on a tmpfs at ``new`` and pivot into it (we are pid 1 of fresh namespaces). Its
+    disk is one tmpfs of ``disk_mb``, bound at /tmp, /dev/shm and ``workdir``: together they hold at most that."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=2m,mode=755")
     for name in SYSTEM_DIRS:
@@ -310,15 +338,18 @@ def setup_root(new: str, work: str, workdir: str, uid: int, tmp_mb: int) -> None
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):  # fmt: skip
         os.symlink(target, f"{new}/dev/{name}")
-    for path in (f"{new}/dev/shm", f"{new}/tmp"):
-        os.mkdir(path)
-        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
-    target = new + workdir
-    os.makedirs(target, exist_ok=True)
-    os.chown(work, uid, uid)
-    os.chmod(work, 0o755)
-    mount(work, target, None, MS_BIND)
-    mount(None, target, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV)
+    disk = f"{new}/{DISK_MOUNT}"
+    os.mkdir(disk)
+    mount("tmpfs", disk, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=755")
+    for name, target, mode in (("tmp", "/tmp", 0o1777), ("shm", "/dev/shm", 0o1777), ("work", workdir, 0o755)):
+        os.mkdir(f"{disk}/{name}", mode)
+        os.chmod(f"{disk}/{name}", mode)  # past the umask
+        os.makedirs(new + target, exist_ok=True)
+        mount(f"{disk}/{name}", new + target, None, MS_BIND)
+        mount(None, new + target, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV)
+    os.chown(f"{disk}/work", uid, uid)
+    _check(libc.umount2(_b(disk), MNT_DETACH), "umount the disk's first mount")  # its three binds keep it
+    os.rmdir(disk)
     os.chdir(new)
     _check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount old root")
@@ -335,7 +366,7 @@ def op_create(req: dict, fds: list[int]) -> None:
     unshare(SANDBOX_NAMESPACES & ~CLONE_NEWPID)
     host_pid = int(os.readlink("/proc/self"))  # the host's /proc is still mounted here
     uid = req["uid_base"] + host_pid
-    setup_root(req["root"], req["work"], req["workdir"], uid, req["tmp_mb"])
+    setup_root(req["root"], req["workdir"], uid, req["disk_mb"])
     socket.sethostname("sandbox")
     loopback_up()
     report(status, f"P{host_pid} {uid}")

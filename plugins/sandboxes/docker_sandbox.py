@@ -9,8 +9,12 @@ Covered:
 - Isolation is the engine's: own PID, mount, IPC, UTS and network namespaces;
   ``network_mode="none"`` (loopback only, inside the container), no
   capabilities (``cap_drop=ALL``), ``no-new-privileges``, a read-only root
-  with a tmpfs ``/tmp`` and a tmpfs work directory, and the engine's default
-  seccomp profile (and AppArmor profile, where the host has AppArmor).
+  with a tmpfs ``/tmp`` and a tmpfs work directory (``disk_mb`` each: ENOSPC
+  past it), and i3core's seccomp profile in place of the engine's default:
+  the local backend's filter (``nsfork.DENIED_SYSCALLS``: no keyrings,
+  namespaces, mounts, ptrace, bpf, perf, io_uring, netlink but route, ...)
+  in Docker's JSON format, from the same lists (and the engine's AppArmor
+  profile, where the host has AppArmor).
   Nothing of the host is visible but what the image holds and the
   ``read_only_mounts`` the config names; the host's environment is never
   passed in.
@@ -58,13 +62,12 @@ Not covered:
   in the container's cgroup before it uses it, so an engine elsewhere (whose
   pids mean other processes here) is refused, never written through.
 - Disk: the work directory and ``/tmp`` are tmpfs charged to the memory
-  limit, so a sandbox that fills them leaves its commands no memory (they
-  are OOM-killed) until ``reset``; ``/dev/shm`` is Docker's default 64 MiB.
-  No I/O bandwidth limit.
-- Seccomp is the engine's default profile: it denies the keyring calls and
-  mounts, but lets a command make user namespaces where the kernel allows
-  unprivileged ones and open netlink uevent sockets (the local backend's own
-  filter denies both).
+  limit (two of ``disk_mb``: together up to twice it); ``/dev/shm`` is
+  Docker's default 64 MiB. No I/O bandwidth limit.
+- Seccomp: the profile lists only this machine's architecture, so a system
+  call of another table (32-bit, x32) meets libseccomp's bad-architecture
+  action, not the local filter's answers; calls the engine's default
+  allowlist refused only for want of a capability are left to the kernel.
 - ``pids`` counts the init and keeper too (2 of them). A cancelled ``exec``
   stops reading but leaves its command running until ``reset``/``close``.
 - Exit status: Docker reports a command killed by signal N as 128+N, so a
@@ -78,6 +81,7 @@ import asyncio
 import contextlib
 import errno
 import io
+import json
 import os
 import signal
 import socket
@@ -95,6 +99,7 @@ from i3core.sandbox.base import (
     READ_CHUNK, SandboxBase, SandboxConfig, as_bytes, check_exec, restore_dir, decode, empty_dir_fd, open_dir_beneath, read_beneath,
     relative_path, write_beneath,
 )  # fmt: skip
+from i3core.sandbox import nsfork
 from i3core.sandbox.nsexec import NsExec
 from i3core.types import ExecResult
 
@@ -123,6 +128,8 @@ DRAIN_WAIT_S = 10.0
 API_TIMEOUT_S = 60.0
 """Longest wait for one engine API call (an exec's output stream has none)."""
 WORKDIR_MODE = 0o755
+SECCOMP_OPT = "seccomp=" + json.dumps(nsfork.seccomp_profile(), separators=(",", ":"))
+"""The local backend's seccomp filter as a Docker profile, from the same lists (instead of the engine's default)."""
 TCP_LIMIT = "memory.kmem.tcp.limit_in_bytes"
 """cgroup v1: writing it turns on the charging of the container's TCP buffers and caps them (v2 charges them
 always, within memory.max)."""
@@ -211,13 +218,13 @@ class DockerBackend:
         cfg = self.config
         errors = self._docker.errors
         client = self.client()
-        tmpfs_opts = f"rw,exec,nosuid,nodev,size={cfg.memory_mb}m"
+        tmpfs_opts = f"rw,exec,nosuid,nodev,size={cfg.disk_mb}m"
         try:
             container = client.containers.create(
                 cfg.image, KEEPER, user="0:0", working_dir=cfg.workdir, init=True, detach=True,
                 network_mode="none", mem_limit=f"{cfg.memory_mb}m", memswap_limit=f"{cfg.memory_mb}m",
                 pids_limit=cfg.pids, nano_cpus=int(cfg.cpus * 1e9), cap_drop=["ALL"],
-                security_opt=["no-new-privileges"], read_only=True,
+                security_opt=["no-new-privileges", SECCOMP_OPT], read_only=True,
                 ulimits=[self._docker.types.Ulimit(name="fsize", soft=cfg.file_size_mb << 20,
                                                    hard=cfg.file_size_mb << 20)],
                 tmpfs={"/tmp": f"{tmpfs_opts},mode=1777", cfg.workdir: tmpfs_opts},

@@ -286,7 +286,7 @@ def pod_manifest(cfg: K8sConfig, sandbox_id: str) -> dict[str, Any]:
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [target, agent],
             "volumes": [
-                {"name": "work", "emptyDir": {"medium": "Memory", "sizeLimit": f"{cfg.memory_mb}Mi"}},
+                {"name": "work", "emptyDir": {"medium": "Memory", "sizeLimit": f"{cfg.disk_mb}Mi"}},
                 {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": f"{TMP_MB}Mi"}},
             ],
         },

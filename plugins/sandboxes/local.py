@@ -17,8 +17,11 @@ empty session keyring (never the host's). It sees:
   bound read-only and nosuid, a minimal /etc (generated passwd, group, hosts;
   the loader cache, alternatives, python3 and CA certificates bound read-only;
   no shadow, no keys, no host configuration), a fresh /proc, a read-only /dev
-  with null, zero, full, random, urandom and tty, tmpfs /tmp and /dev/shm,
-  and its work directory (``workdir``) bound from ``root_dir/<id>/work``.
+  with null, zero, full, random, urandom and tty, and its disk: one tmpfs
+  of ``disk_mb`` in its own mount namespace, bound at its work directory
+  (``workdir``), /tmp and /dev/shm (ENOSPC past it; nothing on the host's
+  filesystem). The host reaches the work directory through the init's root
+  with a descriptor held from creation.
   No /root, /home, /work of the host, /sys or host project directories;
 - a clean environment (PATH, HOME, LANG, USER, TMPDIR), stdin /dev/null.
 
@@ -38,9 +41,9 @@ work directory. Sandboxes die with the process that made them (a chain of
 parent-death signals), so a crashed orchestrator leaves none behind.
 
 Not covered: the kernel is shared, so a kernel exploit escapes (use a VM or
-gVisor-backed backend for that); CPU caches and other side channels; disk
-usage of the work directory as a whole (``file_size_mb`` bounds each file,
-not their sum); /proc shows the sandbox's own processes and its mount sources
+gVisor-backed backend for that); CPU caches and other side channels; the
+disk is memory (what is written counts in ``memory_mb``), with no I/O
+bandwidth limit; /proc shows the sandbox's own processes and its mount sources
 (host paths of the bound directories); a sandbox
 can use its whole CPU and memory budget until ``reset``/``close``
 (a background process lives on between ``exec`` calls by design).
@@ -66,10 +69,11 @@ import structlog
 from pydantic import Field
 
 from i3core.sandbox import nsexec
-from i3core.errors import SandboxError
+from i3core.errors import SandboxError, SandboxFileError
 from i3core.sandbox.nsexec import Cgroup, Jail, NsExec
 from i3core.sandbox.base import (
-    SandboxBase, SandboxConfig, check_exec, empty_dir_fd, open_dir_beneath, remove_tree, restore_dir,
+    SandboxBase, SandboxConfig, as_bytes, check_exec, empty_dir_fd, open_dir_beneath, read_beneath, relative_path,
+    remove_tree, restore_dir, write_beneath,
 )
 from i3core.types import ExecResult
 
@@ -86,12 +90,15 @@ SCRATCH_DIRS = ("tmp", "dev/shm")
 class LocalSandbox(SandboxBase):
     """One sandbox: an init process in its own namespaces, a cgroup, and a work directory on the host."""
 
-    def __init__(self, backend: "LocalBackend", sandbox_id: str, jail: Jail, pidfd: int, base: Path):
+    def __init__(self, backend: "LocalBackend", sandbox_id: str, jail: Jail, pidfd: int, work: int, base: Path):
         self.id = sandbox_id
         self._backend = backend
         self._nsexec = backend.nsexec
         self._jail = jail
         self._pidfd = pidfd
+        self._work = work
+        """The work directory on the sandbox's disk, opened through its init's root at creation (``jail.files``)."""
+        self._work_lock = threading.Lock()
         self._base = base
         self._closed = False
 
@@ -111,11 +118,22 @@ class LocalSandbox(SandboxBase):
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
-        await nsexec.write_file(self._jail, path, data)
+        payload = as_bytes(data)
+        rel = relative_path(path, self._jail.limits.workdir)
+        await asyncio.to_thread(self._in_workdir, write_beneath, rel, payload, self._jail.uid, self._jail.gid)
 
     async def read_file(self, path: str) -> bytes:
         self._check_open()
-        return await nsexec.read_file(self._jail, path)
+        rel = relative_path(path, self._jail.limits.workdir)
+        return await asyncio.to_thread(self._in_workdir, read_beneath, rel, self._jail.limits.max_file_bytes)
+
+    def _in_workdir(self, fn, *args):
+        """``fn(work directory, *args)`` through the descriptor held since creation (in a worker thread); ``close``
+        waits for it, so the descriptor's number never names another file meanwhile."""
+        with self._work_lock:
+            if self._closed:
+                raise SandboxError(f"sandbox {self.id} is closed")
+            return fn(self._jail.files, *args)
 
     async def reset(self) -> None:
         self._check_open()
@@ -128,7 +146,10 @@ class LocalSandbox(SandboxBase):
     def _empty(self) -> None:
         """Empty the work directory (on the host) and the scratch tmpfs, those relative to the init's root opened
         and checked to be our init's once: never a /proc/<pid> path that a reused pid points elsewhere."""
-        dirs = [os.open(self._jail.files, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)]
+        with self._work_lock:  # a close meanwhile cannot hand the descriptor's number to another file
+            if self._closed:
+                raise SandboxError(f"sandbox {self.id} is closed")
+            dirs = [os.dup(self._work)]
         try:
             root = nsexec.open_root(self._jail.pid, self._pidfd, f"sandbox {self.id}")
             try:
@@ -152,7 +173,9 @@ class LocalSandbox(SandboxBase):
     async def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._work_lock:
+            self._closed = True
+            os.close(self._work)  # the last reference to its disk once the init is gone
         self._backend._open.discard(self)
         try:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
@@ -233,22 +256,28 @@ class LocalBackend:
         sandbox_id = uuid.uuid4().hex[:12]
         base = Path(self.config.root_dir) / nsexec.owned_name("local", sandbox_id)
         cgroup = None
+        pidfd = work = -1
         try:
             try:
                 (base / "root").mkdir(parents=True)
-                (base / "work").mkdir()
             except OSError as exc:
                 raise SandboxError(f"local sandbox {sandbox_id}: cannot make its directories under "
                                    f"{self.config.root_dir}: {exc.strerror or exc}") from None  # fmt: skip
             if self.cgroup_parents:
                 cgroup = Cgroup.create(self.cgroup_parents, nsexec.owned_name("local", sandbox_id), self.config)
-            pid, uid = await self.nsexec.create_init(base / "root", base / "work", self.config.workdir, UID_BASE,
-                                                     tmp_mb=self.config.memory_mb)  # fmt: skip
+            pid, uid = await self.nsexec.create_init(base / "root", self.config.workdir, UID_BASE,
+                                                     disk_mb=self.config.disk_mb)  # fmt: skip
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError as exc:
                 raise SandboxError(f"local sandbox {sandbox_id}: its init is gone at once ({exc.strerror})") from None
+            work = _open_work(pid, pidfd, self.config.workdir, f"local sandbox {sandbox_id}")
         except BaseException:
+            if work != -1:
+                os.close(work)
+            if pidfd != -1:  # the init lives on: end it (its parent, the fork server, reaps it)
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
             if cgroup is not None:
                 cgroup.remove_now()
             try:
@@ -256,9 +285,9 @@ class LocalBackend:
             except OSError:
                 pass
             raise
-        jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=base / "work", pidfd=pidfd,
+        jail = Jail(pid=pid, uid=uid, gid=uid, limits=self.config, files=Path(f"/proc/self/fd/{work}"), pidfd=pidfd,
                     cgroup=cgroup)  # fmt: skip
-        sandbox = LocalSandbox(self, sandbox_id, jail, pidfd, base)
+        sandbox = LocalSandbox(self, sandbox_id, jail, pidfd, work, base)
         self._open.add(sandbox)
         return sandbox
 
@@ -270,3 +299,16 @@ class LocalBackend:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+
+def _open_work(pid: int, pidfd: int, workdir: str, what: str) -> int:
+    """A descriptor of the work directory on the disk of the sandbox whose init is ``pid``, reached through the
+    init's root (checked to be the process of ``pidfd``) without following a symlink."""
+    root = nsexec.open_root(pid, pidfd, what)
+    try:
+        return open_dir_beneath(f"/proc/self/fd/{root}", PurePosixPath(workdir).parts[1:])
+    except (OSError, SandboxFileError) as exc:
+        raise SandboxError(f"{what}: cannot open its work directory ({getattr(exc, 'strerror', None) or exc})") \
+            from None
+    finally:
+        os.close(root)
