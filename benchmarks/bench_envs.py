@@ -9,11 +9,9 @@ five), ``wall_s``, the per-dataset gains ``gain/<dataset>`` (the same over the s
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
+
+from runs import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 5
@@ -31,16 +29,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "reasoning_gym.toml", help="run config")
     parser.add_argument("--seed", type=int, default=0, help="run.seed")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(args.config),
-             "--set", f"run.output_dir='{out}'", "--set", f"run.seed={args.seed}"],
-            check=True,
-        )  # fmt: skip
-        wall = time.perf_counter() - start
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    wall, rows = run_config(args.config, args.seed)
     per_dataset = {}
     for key in sorted({k for r in rows for k in r if k.startswith("env/") and k.endswith("/reward/mean")}):
         per_dataset[f"gain/{key.split('/')[1]}"] = gain([r[key] for r in rows if r.get(key) is not None])

@@ -9,11 +9,9 @@ last five RL steps), ``reward_gain`` (their difference), ``steps``, and
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
+
+from runs import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,16 +21,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml", help="run config")
     parser.add_argument("--seed", type=int, default=0, help="run.seed")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(args.config),
-             "--set", f"run.output_dir='{out}'", "--set", f"run.seed={args.seed}"],
-            check=True,
-        )  # fmt: skip
-        wall = time.perf_counter() - start
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    wall, rows = run_config(args.config, args.seed)
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(

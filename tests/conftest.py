@@ -2,6 +2,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from i3core.testing import plugin_manager
+from i3core.testing import make_component, plugin_manager
 
 pytest_plugins = ["pytester"]
 
@@ -155,3 +156,36 @@ def _console_logging_reset():
     import structlog
 
     structlog.reset_defaults()
+
+
+SERVED_MODEL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
+                "experts_per_token": 1, "moe_intermediate_size": 32}
+"""A tiny-moe small enough to serve in a test."""
+
+
+@contextlib.contextmanager
+def i3core_serve(directory: Path, name: str, max_len: int = 1024):
+    """``i3core serve DIR`` in a subprocess on a fresh :data:`SERVED_MODEL` saved to ``directory``, served as
+    ``name``; yields its base URL, stops it afterwards."""
+    model = make_component("model", "tiny-moe", **SERVED_MODEL)
+    model.save_hf(model.build(seed=0), directory)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
+                             "--max-len", str(max_len), "--served-model-name", name,
+                             "--model-option", f"hidden_size={SERVED_MODEL['hidden_size']}"],  # options reach it
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+

@@ -7,11 +7,6 @@ server code in-process over a scripted model plugin that writes a fixed text aft
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -26,44 +21,20 @@ from torch import nn
 from i3core import hookimpl
 from i3core.plugins.inference.server import builtin_server, make_app, model_component
 from i3core.plugins.models.tiny_moe import TinyMoE
-from i3core.testing import make_component, plugin_manager
+from i3core.testing import plugin_manager
 
-SMALL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
-         "experts_per_token": 1, "moe_intermediate_size": 32}
+from .conftest import i3core_serve
+
 NAME = "tiny-served"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Reverse 'abc'."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``i3core serve DIR`` in a subprocess; yields (base URL, model dir)."""
     directory = tmp_path_factory.mktemp("served") / "model"
-    model = make_component("model", "tiny-moe", **SMALL)
-    model.save_hf(model.build(seed=0), directory)
-    port = _free_port()
-    args = ["--model-option", f"hidden_size={SMALL['hidden_size']}"]  # the options reach the component
-    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
-                             "--max-len", "1024", "--served-model-name", NAME, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.1)
+    with i3core_serve(directory, NAME) as url:
         yield url, directory
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")

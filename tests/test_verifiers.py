@@ -15,11 +15,9 @@ fresh uv cache. Without the wheelhouse they skip, unless ``I3CORE_REQUIRE_VERIFI
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import aiohttp
@@ -31,17 +29,13 @@ from verifiers.v1.utils.loaders import load_environment
 
 from i3core.testing import make_component
 
+from .conftest import i3core_serve
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
-         "experts_per_token": 1, "moe_intermediate_size": 32}
 NAME = "tiny-served"
 MAX_TOKENS = 8
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-"""TinyMoE.render_chat for messages without tools, as the Jinja chat template verifiers' renderer reads."""
-
 TASKSET = textwrap.dedent('''
     import verifiers.v1 as vf
 
@@ -74,12 +68,6 @@ TASKSET = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def offline_uv(tmp_path_factory):
     """uv on PATH, resolving the chat program's dependencies from the prepared wheelhouse only, into a fresh cache;
@@ -107,27 +95,10 @@ def served(tmp_path_factory):
     """``i3core serve DIR`` in a subprocess, on a tiny-moe directory whose tokenizer carries a chat template;
     yields (base URL, model dir)."""
     directory = tmp_path_factory.mktemp("served") / "model"
-    model = make_component("model", "tiny-moe", **SMALL)
-    model.save_hf(model.build(seed=0), directory)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
-                             "--max-len", "1024", "--served-model-name", NAME,
-                             "--model-option", f"hidden_size={SMALL['hidden_size']}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for _ in range(300):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}", directory
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with i3core_serve(directory, NAME) as url:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        assert config["chat_template"]  # save_hf writes it: what verifiers' renderer reads
+        yield url, directory
 
 
 def evaluate(client: vf.BaseClientConfig, rollouts: int) -> list[vf.Episode]:

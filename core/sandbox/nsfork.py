@@ -412,6 +412,28 @@ def drop_privileges(uid: int, gid: int) -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a credential change cleared it
 
 
+def as_user(uid: int, gid: int, action) -> None:
+    """Run ``action()`` in a forked child with the sandbox's uid and gid (no other groups), and wait for it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            action()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def kill_every_process() -> None:
+    """SIGKILL every process this uid may signal: atomic with respect to fork, nothing it misses is born after."""
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_command(req: dict, out: int, err: int, status: int, cgroup_fds: list[int], devnull: int) -> None:
     """In the forked child inside the target's pid namespace: become the command."""
     for fd in cgroup_fds:
@@ -501,18 +523,7 @@ def op_kill(req: dict, fds: list[int], server_pid: int) -> None:
     pidns = os.stat("/proc/self/ns/pid_for_children").st_ino  # the target's, joined through its pidfd
     deadline = time.monotonic() + KILL_DEADLINE_S
     while time.monotonic() < deadline:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgroups([])
-                os.setresgid(gid, gid, gid)
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)  # atomic with respect to fork: nothing it misses can be born after it
-            except ProcessLookupError:
-                pass
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+        as_user(uid, gid, kill_every_process)
         if not live_processes(pidns, uid):
             if req.get("clean"):
                 clean(fds[0], uid, gid, keyrings=True)
@@ -533,16 +544,7 @@ def clean(pidfd: int, uid: int, gid: int, keyrings: bool) -> None:
     memory, message queues, semaphores; POSIX message queues) and, with ``keyrings``, its uid's user keyrings
     (only for a uid no one else has)."""
     if keyrings:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgroups([])
-                os.setresgid(gid, gid, gid)
-                os.setresuid(uid, uid, uid)
-                clear_user_keyrings()
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+        as_user(uid, gid, clear_user_keyrings)
     setns(os.dup(pidfd), CLONE_NEWIPC)  # /proc/sysvipc and mqueue mounts show the ipc namespace of the reader
     for kind, call in SYSV_IPC:
         with open(f"/proc/sysvipc/{kind}") as file:

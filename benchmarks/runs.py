@@ -1,0 +1,21 @@
+"""What the benchmarks that time a whole ``i3core run`` share: run a config as a user does, read its metrics."""
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_config(config: Path, seed: int, *sets: str) -> tuple[float, list[dict]]:
+    """``i3core run CONFIG`` in a fresh output directory with ``run.seed = seed`` and ``--set`` overrides ``sets``;
+    its wall time in seconds and its metrics.jsonl rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        start = time.perf_counter()
+        overrides = [f"run.output_dir='{out}'", f"run.seed={seed}", *sets]
+        subprocess.run([sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(config),
+                        *(a for s in overrides for a in ("--set", s))], check=True)
+        wall = time.perf_counter() - start
+        return wall, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
