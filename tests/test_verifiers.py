@@ -118,6 +118,13 @@ def evaluate(client: vf.BaseClientConfig, rollouts: int) -> list[vf.Episode]:
     return asyncio.run(scenario())
 
 
+def plain(text: str) -> str:
+    """``text`` without tiny-moe's special tokens."""
+    for special in ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"):
+        text = text.replace(special, "")
+    return text
+
+
 def check_scored(episode: vf.Episode) -> vf.Trace:
     """The episode's one trace, finished, with its reward and metric as the task defines them on its reply."""
     (trace,) = episode.traces
@@ -169,7 +176,8 @@ def test_train_client_gets_token_ids_logprobs_and_session_versions(offline_uv, s
         assert ids[:n] == prompt  # rendered with the model directory's chat template
         assert not any(mask[:n]) and all(mask[n:]) and 0 < len(ids) - n <= MAX_TOKENS
         assert all(lp < 0 for lp in logprobs[n:])  # the server's logprobs of the sampled tokens
-        assert tokenizer.decode(ids[n:], skip_special_tokens=True) == trace.messages[-1].content
+        # the reply is the sampled text (which special tokens the renderer keeps in it is its own affair)
+        assert plain(tokenizer.decode(ids[n:], skip_special_tokens=False)) == plain(trace.messages[-1].content or "")
         (turn,) = record["turns"]  # the server's record under X-Session-ID = the trace's id
         assert turn["prompt_len"] == n and turn["token_ids"] == ids[n:]
         assert turn["versions"] == [0] * (len(ids) - n)
