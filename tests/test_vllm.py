@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from i3core.errors import ServerError
+from i3core.plugins.inference.vllm_endpoints import COMPLETIONS_ROUTE
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.broadcast import Sender
 from i3core.testing import make_component
@@ -82,15 +83,15 @@ def test_generation_matches_the_trainer_and_bad_requests_are_400(served):
             statuses = []
             for payload in ({"prompt": [10**6], "max_tokens": 4}, {"prompt": [1, 2], "max_tokens": 0},
                             {"prompt": [1, 2], "temperature": "hot"}, {"prompt": []}):
-                async with session.post(served["url"] + "/v1/completions", json=payload) as response:
+                async with session.post(served["url"] + COMPLETIONS_ROUTE, json=payload) as response:
                     statuses.append((response.status, (await response.json())["error"]["message"]))
-            async with session.post(served["url"] + "/v1/completions", data=b"{not json") as response:
+            async with session.post(served["url"] + COMPLETIONS_ROUTE, data=b"{not json") as response:
                 statuses.append((response.status, (await response.json())["error"]["message"]))
-            async with session.post(served["url"] + "/v1/completions",
+            async with session.post(served["url"] + COMPLETIONS_ROUTE,
                                     json={"prompt": "abc", "max_tokens": 3, "n": 2}) as response:
                 two = await response.json()
             long_prompt = {"prompt": [7] * 505, "max_tokens": 100, "stop_token_ids": []}  # max_len is 512
-            async with session.post(served["url"] + "/v1/completions", json=long_prompt) as response:
+            async with session.post(served["url"] + COMPLETIONS_ROUTE, json=long_prompt) as response:
                 cut = (response.status, (await response.json())["choices"][0])
         return done, statuses, two, cut
 

