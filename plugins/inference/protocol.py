@@ -233,7 +233,8 @@ TOOL_CALL_OPEN = "<tool_call>"
 
 
 def _text(content, where: str) -> str:
-    """A message's content as one string: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    """A message's content as one string: a string, or a list of ``{"type": "text", "text": ...}`` parts joined by
+    newlines."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -243,7 +244,7 @@ def _text(content, where: str) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise BadRequest(f"{where}: only text content parts are supported, got {kind!r}")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins them, so both backends render the same prompt
     raise BadRequest(f"{where}: content must be a string or a list of text parts")
 
 

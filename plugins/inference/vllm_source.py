@@ -96,6 +96,7 @@ class VllmSource(ServerProcesses):
             "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", WORKER_EXTENSION,
             "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
+            "--chat-template-content-format", "string",  # text parts joined, as the chat templates expect
         ]  # fmt: skip
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
