@@ -6,8 +6,6 @@ refusal of fields vLLM implements (``response_format``, ``logit_bias``, penaltie
 ignores them), the session records of the token-in route, and the scripted-model tests (in-process servers).
 """
 
-import os
-
 import openai
 import pytest
 
@@ -25,7 +23,7 @@ from .test_openai_api import (  # noqa: F401  (collected here, with this module'
     test_streamed_answers_equal_the_whole_ones,
     test_tool_calls_and_tool_messages_are_rendered_by_the_chat_template,
 )
-from .test_vllm import PYTHON, _usable
+from .test_vllm import PYTHON, require_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -38,11 +36,7 @@ def builtin():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """One vLLM server (the ``vllm`` rollout source, as a run starts it) on a saved tiny-moe; (URL, model dir)."""
-    reason = _usable()
-    if reason:
-        if os.environ.get("I3CORE_REQUIRE_VLLM") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_vllm()
     directory = tmp_path_factory.mktemp("vllm-served") / "model"
     model = make_component("model", "tiny-moe", **SERVED_MODEL)
     model.save_hf(model.build(seed=0), directory)

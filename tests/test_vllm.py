@@ -36,14 +36,19 @@ def _usable() -> str | None:
     return None if probe.returncode == 0 else f"{PYTHON} cannot import vllm: {probe.stderr.strip()[-300:]}"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One vLLM server on tiny-moe version 0, in a broadcast group with this test as trainer rank 0."""
+def require_vllm() -> None:
+    """Skip without a vLLM interpreter, or fail where ``I3CORE_REQUIRE_VLLM=1`` (CI) says there must be one."""
     reason = _usable()
     if reason:
         if os.environ.get("I3CORE_REQUIRE_VLLM") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One vLLM server on tiny-moe version 0, in a broadcast group with this test as trainer rank 0."""
+    require_vllm()
     root = tmp_path_factory.mktemp("vllm") / "broadcasts"
     component = make_component("model", "tiny-moe")
     models = [component.build(seed=s) for s in range(3)]
