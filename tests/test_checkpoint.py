@@ -333,6 +333,40 @@ def test_a_launcher_that_outlives_its_ranks_is_stopped_and_the_trainer_failure_r
         launcher.wait()
 
 
+def test_a_launcher_that_keeps_a_helper_child_is_stopped_once_its_trainer_ranks_are_gone(tmp_path):
+    """torchrun may keep children that are not ranks (seen in CI: the run idle for 300 s after its rank was
+    SIGKILLed): the ranks are the children running the trainer module, and their end starts the grace."""
+    import asyncio
+
+    from i3core.errors import I3Error
+    from i3core.loop.run import TRAINER_MODULE, watch_trainer
+
+    (tmp_path / "logs").mkdir()
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                                 "subprocess.Popen(['sleep', '600'])\n"  # a helper, alive throughout
+                                 "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
+                                 f"'-m', {TRAINER_MODULE!r}])\n"
+                                 "time.sleep(600)"])
+    try:
+        async def kill_the_rank():
+            watch = asyncio.create_task(watch_trainer(launcher, tmp_path, grace_s=1.0))
+            while len(children := _children(launcher.pid)) < 2:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the watch has seen both
+            (rank,) = [pid for pid in children if TRAINER_MODULE in " ".join(psutil.Process(pid).cmdline())]
+            os.kill(rank, signal.SIGKILL)
+            return await watch
+
+        import psutil
+
+        with pytest.raises(I3Error, match="the trainer exited with -9"):
+            asyncio.run(asyncio.wait_for(kill_the_rank(), 60))
+        assert launcher.poll() == -9
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
 def _children(pid):
     import psutil
 

@@ -42,6 +42,8 @@ TRAINER_START_TIMEOUT_S = 900.0
 """The trainer publishes version 0 after its SFT warm start; that must happen within this bound."""
 TRAINER_EXIT_TIMEOUT_S = 120.0
 TRAINER_POLL_S = 0.2
+TRAINER_MODULE = "i3core.loop.trainer"
+"""What torchrun runs on every rank."""
 LAUNCHER_GRACE_S = 30.0
 """How long torchrun may outlive all of its trainer ranks before the run stops it (it exits at once normally)."""
 FULL_DISK_BYTES = 1 << 20
@@ -241,7 +243,7 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     version = 0 if start is None else start.step
     trainer = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.trainer.nproc),
-         "-m", "i3core.loop.trainer", str(run.output_dir / "config.resolved.json"),
+         "-m", TRAINER_MODULE, str(run.output_dir / "config.resolved.json"),
          *([] if start is None else ["--resume", str(start.step)])],
         stdout=trainer_log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -326,6 +328,14 @@ def trainer_failure(returncode: int, out: Path, when: str = "") -> I3Error:
     return I3Error(f"the trainer exited with {returncode}{' ' + when if when else ''}; see {log_path}")
 
 
+def _cmdline(pid: int) -> str:
+    """The command line of ``pid`` (empty once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _live_children(pid: int) -> set[int]:
     """The children of ``pid`` that have not exited (zombies left out), from /proc; empty where there is none."""
     children = set()
@@ -350,12 +360,19 @@ async def watch_trainer(trainer: subprocess.Popen, out: Path, grace_s: float = L
     it started by ``grace_s`` (a torchrun seen to hang on its way out after a rank was SIGKILLed) is killed, so
     the run fails instead of waiting for it for ever."""
     seen: set[int] = set()
+    ranks: set[int] = set()
+    """Children seen so far, and those of them that run the trainer module (torchrun may keep helper children)."""
     ranks_gone_at = None
     while trainer.poll() is None:
         await asyncio.sleep(TRAINER_POLL_S)
         live = _live_children(trainer.pid)
+        ranks |= {pid for pid in live if TRAINER_MODULE in _cmdline(pid)}
+        # gone: every child seen before this poll (a launcher whose ranks are plain processes), or every child
+        # that ran the trainer (a launcher that keeps other children); children that appear now are not ranks
+        gone = bool(seen) and not live & seen or bool(ranks) and not live & ranks
         seen |= live
-        if not seen or live & seen:
+        if not gone:
+            ranks_gone_at = None
             continue
         ranks_gone_at = ranks_gone_at or time.monotonic()
         if time.monotonic() - ranks_gone_at > grace_s:
