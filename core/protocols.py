@@ -31,7 +31,9 @@ class InferenceClient(Protocol):
     the token ids it was given and sends them back with ``complete_ids``, never re-tokenising."""
 
     tokenizer: Any
-    """Encodes env text: ``tokenizer.encode(text).ids`` (``tokenizers``) or ``encode(text)`` (transformers)."""
+    """Encodes env text: ``tokenizer.encode(text).ids`` (``tokenizers``) or ``encode(text)`` (transformers). A
+    tokenizer that also has ``render_chat(messages, tools)`` and ``end_of_turn_ids`` (a :class:`Model`'s, see
+    :meth:`Model.tokenizer`) carries the model's chat template: chat envs render with it and stop there."""
 
     async def complete(self, prompt: str, *, max_tokens: int, temperature: float) -> Completion:
         """Generate one completion of a text prompt; every token carries its logprob and policy version."""
@@ -248,8 +250,10 @@ class Model(Protocol):
         """A model holding the weights of the HF directory ``path`` (what :meth:`save_hf` wrote)."""
 
     def tokenizer(self) -> Any:
-        """The model's tokenizer, a ``tokenizers.Tokenizer``: ``encode(text).ids``, ``decode(ids,
-        skip_special_tokens=...)``, ``get_vocab_size()``."""
+        """The model's tokenizer, a ``tokenizers.Tokenizer`` (or an object that delegates to one): ``encode(text).ids``,
+        ``decode(ids, skip_special_tokens=...)``, ``get_vocab_size()``. One that also has :meth:`render_chat` and
+        :attr:`end_of_turn_ids` hands the model's chat template to the envs (a bare ``tokenizers.Tokenizer`` gets
+        ChatML)."""
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text of OpenAI-style ``messages`` in the model's chat template, with the assistant's turn

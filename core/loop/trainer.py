@@ -217,7 +217,7 @@ class Trainer:
         if sft_ids is None:  # an env with only demonstration(): its text prompt and demonstration, encoded
             def sft_ids(example, tokenizer):
                 text = env.demonstration(example)
-                return None if text is None else (tokenizer.encode(example.prompt).ids, tokenizer.encode(text).ids)
+                return None if text is None else (tokenizer.encode(example.prompt).ids, tokenizer.encode(text, add_special_tokens=False).ids)
         demonstrations = [pair for e in env.examples() if (pair := sft_ids(e, tokenizer)) is not None]
         if not demonstrations:
             raise I3Error(f"sft.steps = {cfg.steps} but env {self.config.get('env').name!r} has no demonstrations; "

@@ -137,7 +137,7 @@ class Environment(ABC):
         demonstration = self.demonstration(example)
         if demonstration is None:
             return None
-        return tokenizer.encode(example.prompt).ids, tokenizer.encode(demonstration).ids
+        return tokenizer.encode(example.prompt).ids, tokenizer.encode(demonstration, add_special_tokens=False).ids
 
     # -- one rollout -----------------------------------------------------------
 

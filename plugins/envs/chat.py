@@ -9,10 +9,11 @@ template that rewrites history (Qwen3's drops the ``<think>`` part of earlier
 assistant turns) cannot break the prefix the model saw, and the logprobs the
 server returned stay aligned with the tokens trained on.
 
-Two renderers: :class:`ChatML` for a ``tokenizers.Tokenizer`` with
-``<|im_start|>``/``<|im_end|>`` specials (the tiny model's), and
-:class:`HFChatTemplate` for a ``transformers`` tokenizer that has a chat
-template. :func:`renderer_for` picks one.
+Three renderers: :class:`ChatML` for a ``tokenizers.Tokenizer`` with
+``<|im_start|>``/``<|im_end|>`` specials (the tiny model's), :class:`HFChatTemplate`
+for a ``transformers`` tokenizer that has a chat template, and :class:`ModelTemplate`
+for a tokenizer that carries its model's own chat template as ``render_chat`` and
+``end_of_turn_ids`` (the ``hf`` model component's). :func:`renderer_for` picks one.
 """
 
 from typing import Any, Protocol
@@ -135,8 +136,43 @@ class HFChatTemplate:
         return decode(self.tokenizer, ids)
 
 
+class ModelTemplate:
+    """The chat template a model component hands over with its tokenizer: ``tokenizer.render_chat(messages,
+    tools)`` (the prompt, the assistant's turn opened) and ``tokenizer.end_of_turn_ids`` (the template's end
+    token first, then the model's other stop tokens).
+
+    Env messages are rendered after :data:`DUMMY_TURN` and cut just after the dummy assistant turn's end
+    token, as :class:`HFChatTemplate` does.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stop_ids = list(tokenizer.end_of_turn_ids)
+        if not self.stop_ids:
+            raise ValueError("the model names no end-of-turn token")
+        self.end_text = decode(tokenizer, self.stop_ids[:1])
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode(self.tokenizer, self.tokenizer.render_chat(messages, tools))
+
+    def continuation_ids(self, messages: list[dict]) -> list[int]:
+        before = self.tokenizer.render_chat(DUMMY_TURN)
+        cut = before.rindex(self.end_text) + len(self.end_text)
+        after = self.tokenizer.render_chat([*DUMMY_TURN, *messages])
+        if not after.startswith(before[:cut]):
+            raise ValueError("the chat template renders the same turns differently when more follow")
+        return encode(self.tokenizer, after[cut:])
+
+    def reply_text(self, token_ids: list[int]) -> str:
+        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
+        return decode(self.tokenizer, ids)
+
+
 def renderer_for(tokenizer: Any) -> ChatRenderer:
-    """:class:`HFChatTemplate` for a tokenizer with a chat template, else :class:`ChatML`."""
+    """:class:`HFChatTemplate` for a transformers tokenizer with a chat template, :class:`ModelTemplate` for a
+    tokenizer that carries its model's template (``render_chat``), else :class:`ChatML`."""
     if getattr(tokenizer, "chat_template", None):
         return HFChatTemplate(tokenizer)
+    if callable(getattr(tokenizer, "render_chat", None)):
+        return ModelTemplate(tokenizer)
     return ChatML(tokenizer)

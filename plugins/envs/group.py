@@ -133,7 +133,7 @@ class EnvGroup:
             return sft_ids(example, tokenizer)
         demonstration = member.demonstration(example)
         return None if demonstration is None else (tokenizer.encode(example.prompt).ids,
-                                                   tokenizer.encode(demonstration).ids)
+                                                   tokenizer.encode(demonstration, add_special_tokens=False).ids)
 
     def max_rollout_tokens(self) -> int | None:
         bounds = [getattr(env, "max_rollout_tokens", lambda: None)() for env in self.members.values()]

@@ -236,7 +236,8 @@ class OpenAIRoutes:
         body = parse_json_object(await http.read())
         check_fields(body, CHAT_FIELDS, UNSUPPORTED)
         messages, tools = parse_messages(body.get("messages")), parse_tools(body)
-        prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, tools)).ids
+        # the template writes its own special tokens (a BOS): the tokenizer adds none
+        prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, tools), add_special_tokens=False).ids
         if body.get("stop_token_ids") is None:  # the end of the assistant's turn, or of the text
             body["stop_token_ids"] = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
         sampling = parse_sampling(body, server.engine.max_len, [], chat=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from i3core.errors import I3Error
@@ -311,7 +311,19 @@ class HF:
                 raise ValueError(f"{config} is not JSON: {exc}") from None
             if not isinstance(data, dict) or "model_type" not in data:
                 raise ValueError(f"{config} names no model_type")
-            return path
+            return path.resolve()  # every role reads the same directory, whatever its working directory
+
+        @model_validator(mode="after")
+        def _known(self):
+            if self.trust_remote_code:
+                return self
+            from transformers import CONFIG_MAPPING
+
+            model_type = json.loads((self.path / "config.json").read_text())["model_type"]
+            if model_type not in CONFIG_MAPPING:
+                raise ValueError(f"transformers knows no model_type {model_type!r} (in {self.path}/config.json); "
+                                 "set trust_remote_code = true for a directory with its own modeling code")
+            return self
 
     def __init__(self, config: Config):
         self.config = config
