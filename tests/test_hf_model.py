@@ -1,0 +1,325 @@
+"""``[model] use = "hf"``: transformers causal LMs (Qwen3 dense, Llama, Qwen3-MoE, built from config with random
+weights and a BPE tokenizer by examples/make_hf_model.py) meet the Model protocol, and `i3core run` trains them."""
+
+import asyncio
+import importlib.util
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from i3core.config import validate
+from i3core.errors import I3Error
+from i3core.loop.packing import Sample, pack
+from i3core.loop.trainer import token_logprobs
+from i3core.plugins.envs.chat import ChatML, ModelTemplate, renderer_for
+from i3core.plugins.inference.engine import Engine, Request
+from i3core.protocols import CausalLM, Model
+from i3core.testing import ScriptedClient, make_component, plugin_manager
+
+from .conftest import LEDGER, ROOT, assert_ledger, run_cli, torchrun_trainer
+
+ARCHITECTURES = ["qwen3", "llama", "qwen3_moe"]
+
+
+def _make_hf_model():
+    spec = importlib.util.spec_from_file_location("make_hf_model", ROOT / "examples" / "make_hf_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_hf_model
+
+
+make_hf_model = _make_hf_model()
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """``made(architecture)``: the directory of that small model, built once per module."""
+    dirs = {}
+
+    def get(architecture: str):
+        if architecture not in dirs:
+            dirs[architecture] = make_hf_model(tmp_path_factory.mktemp(architecture), architecture)
+        return dirs[architecture]
+
+    return get
+
+
+def component(path, **options):
+    return make_component("model", "hf", plugins=plugin_manager(installed=False), path=str(path), **options)
+
+
+def test_hf_meets_the_model_protocol(made):
+    hf = component(made("qwen3"))
+    assert isinstance(hf, Model)
+    model = hf.build()
+    assert isinstance(model, CausalLM)
+    assert model.vocab_size == hf.tokenizer().get_vocab_size()
+
+
+# -- training forward -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_sample_packed_beside_another_keeps_its_logprobs(made, architecture, attn):
+    model = component(made(architecture), attn_implementation=attn).build()
+    gen = torch.Generator().manual_seed(0)
+    first, second = torch.randint(0, model.vocab_size, (7,), generator=gen), torch.randint(0, model.vocab_size, (9,),
+                                                                                           generator=gen)
+    with torch.no_grad():
+        alone = token_logprobs(model, second[None], torch.arange(9)[None], chunk=5)[0]
+        row = torch.cat([first, second, torch.zeros(4, dtype=torch.long)])  # padding: a sample of its own
+        positions = torch.cat([torch.arange(7), torch.arange(9), torch.arange(4)])
+        packed = token_logprobs(model, row[None], positions[None], chunk=5)[0]
+    # column t is token t given the tokens before it; the second sample's first token has nothing before it
+    assert (packed[8:16] - alone[1:]).abs().max() < 1e-5
+
+
+# -- cached decode ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_cached_decode_equals_forward(made, architecture):
+    """Prefills of several equal-length prompts at once and of one alone, then decode steps of every sequence
+    (each in its own slot, at its own position), one token and two tokens a step."""
+    model = component(made(architecture)).build().eval()
+    gen = torch.Generator().manual_seed(1)
+    seqs = torch.randint(0, model.vocab_size, (3, 16), generator=gen)
+    slots = torch.tensor([3, 1, 0])
+    with torch.no_grad():
+        full = model(seqs, torch.arange(16).expand(3, 16))
+        cache = model.new_kv_cache(4, 32)
+        outs = {}
+        hidden = model.forward_cached(seqs[:2, :5], torch.arange(5).expand(2, 5), cache, slots[:2])
+        outs.update({(b, t): hidden[b, t] for b in range(2) for t in range(5)})
+        hidden = model.forward_cached(seqs[2:, :8], torch.arange(8)[None], cache, slots[2:])
+        outs.update({(2, t): hidden[0, t] for t in range(8)})
+        length = [5, 5, 8]
+        for width in (1, 1, 2, 1, 2):
+            positions = torch.tensor([[n + i for i in range(width)] for n in length])
+            hidden = model.forward_cached(seqs.gather(1, positions), positions, cache, slots)
+            for b in range(3):
+                for i in range(width):
+                    outs[(b, length[b] + i)] = hidden[b, i]
+            length = [n + width for n in length]
+    worst = max((out - full[b, t]).abs().max().item() for (b, t), out in outs.items())
+    assert worst < 1e-5, worst
+    assert len(outs) == 5 + 5 + 8 + 3 * 7
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_builtin_engine_samples_with_the_logprobs_of_the_trainer(made, architecture):
+    model = component(made(architecture)).build()
+    engine = Engine(model, max_slots=4, max_len=64)
+    seqs = [engine.add(Request(prompt_ids=[5 + i, 6, 7, 8 + i][: 2 + i], max_tokens=6 + i, seed=i))
+            for i in range(3)]
+    while engine.has_work():
+        engine.step()
+    for seq in seqs:
+        ids = torch.tensor([seq.request.prompt_ids + seq.token_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model, ids, torch.arange(ids.shape[1])[None], chunk=8)[0, len(seq.request.prompt_ids):]
+        assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-5
+
+
+# -- publishing -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_published_weights_are_what_transformers_saves_and_loads(made, architecture, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = component(made(architecture))
+    model = hf.build()
+    with torch.no_grad():  # weights of its own, not the saved ones
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    published = hf.save_hf(model, tmp_path / "published")
+    on_disk = load_file(str(published / "model.safetensors"))
+    streamed = dict(hf.hf_tensors(model))
+    assert streamed.keys() == on_disk.keys() == load_file(str(made(architecture) / "model.safetensors")).keys()
+    assert all(torch.equal(streamed[name], on_disk[name]) for name in on_disk)
+    if architecture == "qwen3_moe":  # transformers fuses the experts in memory and splits them on disk
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in on_disk
+        assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    state = model.state_dict_from_hf(on_disk)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+    reloaded = AutoModelForCausalLM.from_pretrained(published)
+    ids = torch.randint(0, model.vocab_size, (2, 10))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, model.logits(model(ids, torch.arange(10).expand(2, 10))),
+                              atol=1e-5)
+    assert AutoTokenizer.from_pretrained(published).chat_template
+    assert json.loads((published / "generation_config.json").read_text())["eos_token_id"] == [hf.eos_token_id]
+
+    with pytest.raises(ValueError, match="missing model.norm.weight"):
+        model.state_dict_from_hf({k: v for k, v in on_disk.items() if k != "model.norm.weight"})
+    with pytest.raises(ValueError, match="unexpected model.extra.weight"):
+        model.state_dict_from_hf({**on_disk, "model.extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"wrong shape model.norm.weight: \(3,\)"):
+        model.state_dict_from_hf({**on_disk, "model.norm.weight": torch.zeros(3)})
+
+
+def test_tiny_moe_weights_load_as_hf_with_the_same_outputs_and_flops(tmp_path):
+    """What bench_models compares: tiny-moe's save_hf directory served and trained by transformers' Qwen3-MoE."""
+    tiny = make_component("model", "tiny-moe", plugins=plugin_manager(installed=False))
+    small = tiny.build(seed=3)
+    directory = tiny.save_hf(small, tmp_path / "tiny")
+    hf = component(directory)
+    model = hf.build()
+    ids = torch.randint(0, model.vocab_size, (2, 12))
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+    real = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        assert (model(ids, positions) - small(ids, positions)).abs().max() < 1e-5
+    assert hf.train_flops(model, positions, real) == tiny.train_flops(small, positions, real)
+
+
+# -- chat templates -----------------------------------------------------------------------------------------------
+
+
+def test_chat_envs_render_with_the_models_template_and_stop_at_its_end_of_turn(made):
+    hf = component(made("qwen3"))
+    tok = hf.tokenizer()
+    im_end = tok.token_to_id("<|im_end|>")
+    assert hf.eos_token_id == im_end and hf.end_of_turn_ids[0] == im_end
+    assert isinstance(renderer_for(tok), ModelTemplate)
+    # the template writes each tool's whole JSON schema (ChatML's compact signature line is tiny-moe's)
+    env = make_component("env", "tool-calc", plugins=plugin_manager(installed=False), max_total_tokens=1024)
+    example = env.examples()[0]
+    replies = ['<tool_call>{"name": "calculate", "arguments": {"expression": "1+1"}}</tool_call><|im_end|>',
+               "Answer: 2<|im_end|>"]
+    client = ScriptedClient(tok, replies)
+    rollout = asyncio.run(env.rollout(client, example))
+    prompt = env.init_state(example)["prompt"]
+    rendered = hf.render_chat(prompt, env.tool_specs())
+    assert "<tools>" in rendered and rendered.endswith("<|im_start|>assistant\n")
+    assert client.requests[0].prompt_ids == tok.encode(rendered, add_special_tokens=False).ids
+    assert all(r.stop_token_ids == hf.end_of_turn_ids for r in client.requests)
+    assert rollout.metrics["turns"] == 2
+    # the tool's answer went in as the template writes a tool turn, after the model's own stop token
+    second = client.requests[1].prompt_ids
+    assert tok.decode(second[len(rollout.prompt_ids):], skip_special_tokens=False).endswith(
+        "<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
+    # tiny-moe's bare tokenizers.Tokenizer keeps ChatML, as before
+    tiny = make_component("model", "tiny-moe", plugins=plugin_manager(installed=False))
+    assert isinstance(renderer_for(tiny.tokenizer()), ChatML)
+
+
+def test_a_directory_without_a_chat_template_says_so_in_one_line(made, tmp_path):
+    bare = shutil.copytree(made("qwen3"), tmp_path / "bare")
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = component(bare)
+    with pytest.raises(I3Error, match="has no chat template") as info:
+        hf.render_chat([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
+    assert hf.tokenizer().end_of_turn_ids == [hf.eos_token_id]  # plain completions still stop at eos
+
+
+# -- bad configs --------------------------------------------------------------------------------------------------
+
+
+def bad_dir(tmp_path, kind):
+    if kind == "missing":
+        return tmp_path / "nowhere"
+    directory = tmp_path / kind
+    directory.mkdir()
+    if kind == "unknown_model_type":
+        (directory / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    return directory
+
+
+@pytest.mark.parametrize("kind,expect", [("missing", "is not a directory"), ("no_config", "has no config.json"),
+                                         ("unknown_model_type", "transformers knows no model_type")])
+def test_a_bad_model_directory_is_one_line(tmp_path, kind, expect):
+    config = (ROOT / "examples" / "hf_model.toml").read_text().replace(
+        'path = "runs/hf-qwen3"', f'path = "{bad_dir(tmp_path, kind)}"')
+    path = tmp_path / "bad.toml"
+    path.write_text(config)
+    result = run_cli("check", str(path), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: model") and expect in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- the whole stack ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_i3core_run_trains_an_hf_model_with_matching_logprobs(made, architecture, tmp_path):
+    out = tmp_path / "run"
+    sets = [f"run.output_dir='{out}'", f"model.path='{made(architecture)}'", "run.max_steps=3", "sft.steps=5",
+            "scheduler.batch_size=16", "scheduler.group_size=4", "scheduler.inflight=32", "inference.servers=2"]
+    proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "hf_model.toml"),
+                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_ledger(rows)
+    assert all(k in rows[-1] for k in LEDGER)
+    # version 0 (after SFT) is what the servers sampled with: trainer and server agree on the same tokens
+    assert rows[0]["mismatch/same_version_tokens"] > 0
+    assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
+    assert 0 < rows[0]["perf/mfu"] < 1
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------------------
+
+
+def make_batches(out, steps, vocab):
+    rng = random.Random(0)
+    (out / "batches").mkdir(parents=True)
+    for step in range(1, steps + 1):
+        samples = []
+        for _ in range(13):  # an odd number of rows, so one rank gets a padding row
+            n_prompt, n_completion = rng.randint(2, 6), rng.randint(2, 8)
+            ids = [rng.randrange(vocab) for _ in range(n_prompt + n_completion)]
+            logprobs = [0.0] * n_prompt + [-rng.uniform(0.5, 3.0) for _ in range(n_completion)]
+            samples.append(Sample(ids, [False] * n_prompt + [True] * n_completion, logprobs,
+                                  [-1] * n_prompt + [0] * n_completion, rng.uniform(-1, 1)))
+        torch.save(pack(samples, seq_len=16), out / "batches" / f"step_{step}.pt")
+
+
+def train_on_ranks(tmp_path, directory, nproc, activation_memory, steps=2):
+    """The trainer role on prepared batches under the plain policy gradient (every token moves the weights).
+
+    lr 1e-3: gradients agree across rank counts to ~1e-8 (summation order), and Adam's first steps turn a
+    near-zero gradient's rounding into up to lr x (its relative error); 1e-2 shows 1e-5-level gaps in a few
+    near-zero-gradient elements."""
+    out = tmp_path / f"nproc{nproc}-{activation_memory}"
+    make_batches(out, steps, vocab=300)
+    data = {"run": {"output_dir": str(out), "max_steps": steps}, "model": {"use": "hf", "path": str(directory)},
+            "env": {"use": "reverse-text"}, "loss": {"use": "pg"}, "optimizer": {"use": "adamw", "lr": 1e-3},
+            "weight_sync": {"use": "filesystem"},
+            "trainer": {"seq_len": 16, "micro_batch_rows": 3, "nproc": nproc, "activation_memory": activation_memory}}
+    path = tmp_path / f"config-{out.name}.json"
+    path.write_text(json.dumps(validate(data, plugin_manager(installed=False)).to_dict()))
+    torchrun_trainer(path, nproc)
+    return load_file(str(out / "broadcasts" / f"step_{steps}" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_train_an_hf_model_like_one_process(made, tmp_path):
+    """FSDP2 on every decoder layer and the root, with transformers' activation checkpointing on the 2 ranks."""
+    directory = made("qwen3")
+    one = train_on_ranks(tmp_path, directory, 1, "keep")
+    two = train_on_ranks(tmp_path, directory, 2, "checkpoint")
+    assert one.keys() == two.keys()
+    start = load_file(str(directory / "model.safetensors"))
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # it did train
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-5, worst
