@@ -177,3 +177,31 @@ def test_a_run_on_vllm_with_the_broadcast_sync(served, tmp_path):
     # The trainer's logprobs of version-0 tokens are vLLM's: the same numbers on both sides.
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-3
     assert "Traceback" not in proc.stderr
+
+
+def test_vllm_serves_an_hf_model_with_the_trainers_logprobs(tmp_path):
+    """``[model] use = "hf"`` on the vllm source: vLLM loads the directory hf's save_hf publishes (a Qwen3 dense
+    built by transformers from config) and samples with the trainer's logprobs."""
+    require_vllm()
+    from .test_hf_model import make_hf_model
+
+    hf = make_component("model", "hf", path=str(make_hf_model(tmp_path / "made", "qwen3")))
+    model = hf.build()
+    published = hf.save_hf(model, tmp_path / "published")
+    source = make_component("rollout_source", "vllm", servers=1, max_slots=8, max_len=256, python=PYTHON)
+    (url,) = source.start(published, tmp_path / "logs")
+
+    async def scenario():
+        client = source.client(url, hf.tokenizer(), [hf.eos_token_id])
+        try:
+            return await client.complete("reverse abc:", max_tokens=24, temperature=1.0, seed=3)
+        finally:
+            await client.close()
+
+    try:
+        done = run(scenario())
+    finally:
+        source.close()
+    assert len(done.token_ids) > 0 and done.versions == [0] * len(done.token_ids)
+    assert mean_abs_diff(model, done) < 1e-3
+

@@ -146,9 +146,11 @@ class HFCausalLM(nn.Module):
                 return found
         raise I3Error(f"model hf: cannot find the decoder layers of {type(self.hf).__name__}")
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[R, S, H]`` after the final norm of packed rows; a sample starts where its positions
-        restart (transformers' packed-sequence mask keeps samples apart)."""
+        restart (transformers' packed-sequence mask keeps samples apart). No ``position_ids``: one sample a row."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         return self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
