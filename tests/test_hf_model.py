@@ -257,17 +257,27 @@ def test_a_bad_model_directory_is_one_line(tmp_path, kind, expect):
 # -- the whole stack ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_i3core_run_trains_an_hf_model_with_matching_logprobs(made, architecture, tmp_path):
+def hf_run(tmp_path, directory, *sets, config=None):
+    """``i3core run`` on examples/hf_model.toml (or ``config``, its text) with a short SFT + 3 RL steps; the rows."""
     out = tmp_path / "run"
-    sets = [f"run.output_dir='{out}'", f"model.path='{made(architecture)}'", "run.max_steps=3", "sft.steps=5",
-            "scheduler.batch_size=16", "scheduler.group_size=4", "scheduler.inflight=32", "inference.servers=2"]
-    proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "hf_model.toml"),
+    path = ROOT / "examples" / "hf_model.toml"
+    if config is not None:
+        path = tmp_path / "hf_model.toml"
+        path.write_text(config)
+    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5",
+            "inference.servers=2", *sets]
+    proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(path),
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_i3core_run_trains_an_hf_model_with_matching_logprobs(made, architecture, tmp_path):
+    rows = hf_run(tmp_path, made(architecture), "scheduler.batch_size=16", "scheduler.group_size=4",
+                  "scheduler.inflight=32")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_ledger(rows)
     assert all(k in rows[-1] for k in LEDGER)
@@ -275,6 +285,24 @@ def test_i3core_run_trains_an_hf_model_with_matching_logprobs(made, architecture
     assert rows[0]["mismatch/same_version_tokens"] > 0
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
     assert 0 < rows[0]["perf/mfu"] < 1
+
+
+@pytest.mark.slow
+def test_versions_broadcast_by_two_sharded_ranks_sample_with_the_trainers_logprobs(made, tmp_path):
+    """Qwen3-MoE (experts fused in memory, split on the wire) trained on 2 FSDP2 ranks, every version streamed to
+    the servers by the broadcast weight sync; the sync scheduler samples every batch with the newest weights, so
+    every step compares trainer and servers on the same weights."""
+    config = (ROOT / "examples" / "hf_model.toml").read_text()
+    config = config.replace('use = "filesystem"          # safetensors in broadcasts/step_N/ + a STABLE marker\nkeep = 3',
+                            'use = "broadcast"')
+    config = config[:config.index("[scheduler]")] + '[scheduler]\nuse = "sync"\ngroup_size = 4\nbatch_size = 16\n\n' \
+        + config[config.index("[metrics]"):]
+    rows = hf_run(tmp_path, made("qwen3_moe"), "trainer.nproc=2", config=config)
+    assert [r["weights/version"] for r in rows] == [1, 2, 3]
+    assert_ledger(rows)
+    for row in rows:
+        assert row["mismatch/same_version_tokens"] > 0
+        assert row["mismatch/same_version_abs_diff"] < 1e-4
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------------------------

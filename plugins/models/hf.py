@@ -279,7 +279,10 @@ class ChatTokenizer:
         self.eos_token_id = eos_token_id
 
     def __getattr__(self, name: str):
-        return getattr(self.__dict__["backend"], name)
+        backend = self.__dict__.get("backend")
+        if backend is None:  # mid-copy or unpickling: nothing to delegate to yet
+            raise AttributeError(name)
+        return getattr(backend, name)
 
 
 # -- the component ------------------------------------------------------------------------------------------------
