@@ -81,6 +81,24 @@ def test_a_sample_packed_beside_another_keeps_its_logprobs(made, architecture, a
     assert (packed[8:16] - alone[1:]).abs().max() < 1e-5
 
 
+def test_activation_checkpointing_keeps_only_layer_inputs_and_the_same_gradients(made):
+    from i3core.loop.perf import SavedActivations
+
+    hf = component(made("qwen3"))
+    ids, positions = torch.randint(0, 300, (2, 128)), torch.arange(128).expand(2, 128)
+    saved, grads = {}, {}
+    for checkpoint in (False, True):
+        model = hf.build().train()
+        hf.parallelize(model, world=1, checkpoint=checkpoint, seq_len=128)
+        with SavedActivations(model, offload=False) as activations:
+            lp = token_logprobs(model, ids, positions, chunk=64)
+        lp.sum().backward()
+        saved[checkpoint] = activations.bytes
+        grads[checkpoint] = {n: p.grad for n, p in model.named_parameters()}
+    assert saved[True] < saved[False] / 4
+    assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
+
+
 # -- cached decode ----------------------------------------------------------------------------------------------
 
 

@@ -370,7 +370,12 @@ class HF:
         """Activation checkpointing per decoder layer when ``checkpoint`` (transformers' own, non-reentrant);
         FSDP2 on every decoder layer and the root when ``world > 1`` (``seq_len`` does not matter here)."""
         if checkpoint:
-            model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            enable = getattr(model.hf, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if world > 1:
             from torch.distributed.fsdp import fully_shard
 
