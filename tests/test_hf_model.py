@@ -232,6 +232,26 @@ def test_chat_envs_render_with_the_models_template_and_stop_at_its_end_of_turn(m
     assert isinstance(renderer_for(tiny.tokenizer()), ChatML)
 
 
+def test_env_turns_follow_the_models_stop_token_whatever_the_template_does_to_earlier_turns():
+    """A Qwen3-like template writes a <think> block in the last assistant turn only: after an env turn the
+    earlier reply renders differently, yet the env's tokens are exactly what follows the closed turn."""
+    from i3core.plugins.models.hf import ChatTokenizer
+    from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, build_tokenizer, token_id
+
+    def render_chat(messages, tools=None):
+        text = ""
+        for i, m in enumerate(messages):
+            think = "<think>\n\n</think>\n\n" if m["role"] == "assistant" and i == len(messages) - 1 else ""
+            text += f"<|im_start|>{m['role']}\n{think}{m['content']}<|im_end|>\n"
+        return text + "<|im_start|>assistant\n"
+
+    tok = ChatTokenizer(build_tokenizer(), render_chat, [token_id(IM_END)], token_id(EOS))
+    renderer = renderer_for(tok)
+    assert isinstance(renderer, ModelTemplate)
+    ids = renderer.continuation_ids([{"role": "tool", "content": "42"}])
+    assert tok.decode(ids, skip_special_tokens=False) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_a_directory_without_a_chat_template_says_so_in_one_line(made, tmp_path):
     bare = shutil.copytree(made("qwen3"), tmp_path / "bare")
     (bare / "chat_template.jinja").unlink(missing_ok=True)

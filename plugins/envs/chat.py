@@ -22,6 +22,9 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 DUMMY_TURN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 """A fixed conversation that env messages are rendered after, to find their tokens alone."""
+PROBE_REPLY = "i3core-probe-reply"
+PROBE_TURN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE_REPLY}]
+"""A conversation whose assistant reply is found by its text, for :class:`ModelTemplate`."""
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -141,8 +144,10 @@ class ModelTemplate:
     tools)`` (the prompt, the assistant's turn opened) and ``tokenizer.end_of_turn_ids`` (the template's end
     token first, then the model's other stop tokens).
 
-    Env messages are rendered after :data:`DUMMY_TURN` and cut just after the dummy assistant turn's end
-    token, as :class:`HFChatTemplate` does.
+    Env messages are rendered after :data:`PROBE_TURN` and cut just after the probe assistant turn's end token,
+    which is where the model's own stop token left the real trajectory. Only what follows that token is taken,
+    so a template that renders the earlier turns differently once more follow (Qwen3 drops the ``<think>`` block
+    of an assistant turn that is no longer the last) does not matter: those turns are never rendered again.
     """
 
     def __init__(self, tokenizer):
@@ -156,12 +161,12 @@ class ModelTemplate:
         return encode(self.tokenizer, self.tokenizer.render_chat(messages, tools))
 
     def continuation_ids(self, messages: list[dict]) -> list[int]:
-        before = self.tokenizer.render_chat(DUMMY_TURN)
-        cut = before.rindex(self.end_text) + len(self.end_text)
-        after = self.tokenizer.render_chat([*DUMMY_TURN, *messages])
-        if not after.startswith(before[:cut]):
-            raise ValueError("the chat template renders the same turns differently when more follow")
-        return encode(self.tokenizer, after[cut:])
+        after = self.tokenizer.render_chat([*PROBE_TURN, *messages])
+        reply = after.rindex(PROBE_REPLY)
+        end = after.find(self.end_text, reply)
+        if end < 0:
+            raise ValueError(f"the chat template does not close an assistant turn with {self.end_text!r}")
+        return encode(self.tokenizer, after[end + len(self.end_text):])
 
     def reply_text(self, token_ids: list[int]) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
