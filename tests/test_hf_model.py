@@ -131,6 +131,24 @@ def test_cached_decode_equals_forward(made, architecture):
     assert len(outs) == 5 + 5 + 8 + 3 * 7
 
 
+@pytest.mark.parametrize("architecture,window", [("qwen3", {"max_window_layers": 1}), ("qwen3_moe", {})],
+                         ids=["layer-types", "every-layer"])
+def test_cached_decode_keeps_the_sliding_window(tmp_path, architecture, window):
+    """A window of 4 tokens on some layers (Qwen3's layer_types) or on every layer (a sliding_window and no layer
+    types, as Mistral and Qwen3-MoE configs have it): the cached decode's mask applies it where forward does."""
+    directory = make_hf_model(tmp_path / architecture, architecture, use_sliding_window=True, sliding_window=4,
+                              **window)
+    model = component(directory).build().eval()
+    seq = torch.randint(0, model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(seq)[0]
+        cache = model.new_kv_cache(2, 32)
+        outs = [model.forward_cached(seq[:, :6], torch.arange(6)[None], cache, torch.tensor([1]))[0]]
+        for t in range(6, 12):
+            outs.append(model.forward_cached(seq[:, t : t + 1], torch.tensor([[t]]), cache, torch.tensor([1]))[0])
+    assert (torch.cat(outs) - full).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_the_builtin_engine_samples_with_the_logprobs_of_the_trainer(made, architecture):
     model = component(made(architecture)).build()

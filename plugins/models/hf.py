@@ -136,7 +136,14 @@ class HFCausalLM(nn.Module):
         self.__dict__["head"] = causal_lm.get_output_embeddings()
         params = inspect.signature(type(base).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or [])
+        layer_types = getattr(self.config, "layer_types", None)
+        window = getattr(self.config, "sliding_window", None)
+        self._window = "layers" if layer_types and "sliding_attention" in layer_types else None
+        """How the cached decode's mask applies a sliding window: to the layers whose type says so (a mask per
+        layer type), to every layer (a config with ``sliding_window`` and no layer types: Mistral, Qwen3-MoE), or
+        not at all."""
+        if not layer_types and window is not None:
+            self._window = "all"
 
     def layers(self) -> nn.ModuleList:
         """The decoder layers (what FSDP2 and activation checkpointing wrap one by one)."""
@@ -174,10 +181,11 @@ class HFCausalLM(nn.Module):
         step.slots, step.positions, step.length = slots, positions, int(positions.max()) + 1
         kv = torch.arange(step.length, device=positions.device)
         seen = kv[None, None, :] <= positions[:, :, None]  # [B, S, L]: its own slot, up to its own position
-        mask: Any = self._mask(seen[:, None], input_ids.device)
-        if self._sliding:
-            window = kv[None, None, :] > positions[:, :, None] - self.config.sliding_window
-            mask = {"full_attention": mask, "sliding_attention": self._mask((seen & window)[:, None], input_ids.device)}
+        if self._window is not None:
+            windowed = seen & (kv[None, None, :] > positions[:, :, None] - self.config.sliding_window)
+        mask: Any = self._mask((windowed if self._window == "all" else seen)[:, None], input_ids.device)
+        if self._window == "layers":
+            mask = {"full_attention": mask, "sliding_attention": self._mask(windowed[:, None], input_ids.device)}
         out = self.base(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                         **{self._cache_kwarg: cache}, use_cache=True)
         return out.last_hidden_state
