@@ -61,7 +61,10 @@ class _Step:
     length: int
 
 
+@functools.cache
 def _cache_classes():
+    """``(SlotLayer, SlotCache)``, defined once transformers is imported (this module imports it lazily, so
+    loading the plugin stays cheap for runs that do not use ``hf``)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     class SlotLayer(CacheLayerMixin):
