@@ -250,6 +250,41 @@ def test_chat_envs_render_with_the_models_template_and_stop_at_its_end_of_turn(m
     assert isinstance(renderer_for(tiny.tokenizer()), ChatML)
 
 
+def test_the_builtin_server_answers_chats_in_the_models_template(made):
+    """/v1/chat/completions on an hf directory: the prompt is the template's, the reply stops at its end of turn."""
+    from aiohttp.test_utils import TestServer
+
+    from i3core.plugins.inference.client import InferenceClient
+    from i3core.plugins.inference.server import builtin_server, make_app
+
+    hf = component(made("qwen3"))
+    server = builtin_server(made("qwen3"), hf, max_slots=4, max_len=128, version=0)
+    messages = [{"role": "user", "content": "reverse abc:"}]
+    im_end = hf.tokenizer().token_to_id("<|im_end|>")
+
+    model, logits = server.engine.model, server.engine.model.logits
+
+    async def scenario():
+        http = TestServer(make_app(server), host="127.0.0.1")
+        await http.start_server()
+        client = InferenceClient(str(http.make_url("")).rstrip("/"), hf.tokenizer())
+        try:
+            plain = await client._post("/v1/chat/completions", {"messages": messages, "max_tokens": 6, "seed": 0})
+            bias = torch.zeros(model.vocab_size)
+            bias[im_end] = 5.0  # a model that ends its turn soon: the reply must stop there
+            model.logits = lambda hidden: logits(hidden) + bias
+            ended = await client._post("/v1/chat/completions", {"messages": messages, "max_tokens": 100, "seed": 0})
+            return plain, ended
+        finally:
+            await client.close()
+            await http.close()
+
+    plain, ended = asyncio.run(scenario())
+    assert plain["usage"]["prompt_tokens"] == len(hf.tokenizer().encode(hf.render_chat(messages),
+                                                                        add_special_tokens=False).ids)
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["choices"][0]["token_ids"][-1] == im_end
+
+
 def test_env_turns_follow_the_models_stop_token_whatever_the_template_does_to_earlier_turns():
     """A Qwen3-like template writes a <think> block in the last assistant turn only: after an env turn the
     earlier reply renders differently, yet the env's tokens are exactly what follows the closed turn."""
