@@ -202,6 +202,9 @@ def test_published_weights_are_what_transformers_saves_and_loads(made, architect
         model.state_dict_from_hf({**on_disk, "model.extra.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"wrong shape model.norm.weight: \(3,\)"):
         model.state_dict_from_hf({**on_disk, "model.norm.weight": torch.zeros(3)})
+    if architecture == "qwen3_moe":
+        with pytest.raises(ValueError, match="model.layers.0.mlp.experts.gate_up_proj cannot be built"):
+            model.state_dict_from_hf({**on_disk, "model.layers.0.mlp.experts.3.gate_proj.weight": torch.zeros(5, 5)})
 
 
 def test_tiny_moe_weights_load_as_hf_with_the_same_outputs_and_flops(tmp_path):

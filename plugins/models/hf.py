@@ -263,7 +263,12 @@ def from_hf_layout(causal_lm, tensors: dict[str, torch.Tensor],
         mapping.add_tensor(renamed, key, pattern, tensor)
     out = {}
     for first, mapping in pending.items():
-        for name, value in mapping.convert(first, model=causal_lm, config=causal_lm.config).items():
+        try:  # e.g. experts of different shapes that cannot be stacked
+            converted = mapping.convert(first, model=causal_lm, config=causal_lm.config)
+        except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+            raise ValueError(f"HF weights do not fit the model: {first} cannot be built from them "
+                             f"({_first_line(exc)})") from None
+        for name, value in converted.items():
             out[name] = value[0] if isinstance(value, list) else value
     return out, unexpected
 
