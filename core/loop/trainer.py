@@ -149,6 +149,7 @@ class Trainer:
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._plain = None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.resume_step = resume_step
         if resume_step is not None:  # the full state, loaded before sharding
@@ -195,11 +196,14 @@ class Trainer:
         return state if self.rank == 0 else None
 
     def _unsharded_model(self, state):
+        """The model holding the gathered ``state``: a plain (unsharded) copy built once and refilled at every
+        publish, since building may mean reading a whole checkpoint (``hf``'s ``from_pretrained``)."""
         if self.world == 1:
             return self.model
-        plain = self.model_component.build(seed=0)
-        plain.load_state_dict(state)
-        return plain
+        if self._plain is None:
+            self._plain = self.model_component.build(seed=0)
+        self._plain.load_state_dict(state)
+        return self._plain
 
     # -- publishing ----------------------------------------------------------
 
