@@ -116,7 +116,9 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
 
 
 def run_i3core(config: Path, out: Path, seed: int, steps: int, sets: list[str]) -> dict:
-    overrides = [f"run.output_dir='{out}'", f"run.seed={seed}", f"run.max_steps={steps}", *sets]
+    # weight_sync.keep: version 0 (the SFT output TRL starts from) stays on disk; nothing else changes
+    overrides = [f"run.output_dir='{out}'", f"run.seed={seed}", f"run.max_steps={steps}",
+                 f"weight_sync.keep={steps + 1}", *sets]
     cmd = [sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(config),
            *(a for s in overrides for a in ("--set", s))]
     result = measure(cmd)
@@ -162,6 +164,7 @@ def trl_worker(spec_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from i3core.loop.run import stop_token_ids
     from i3core.testing import make_component
 
     spec = json.loads(spec_path.read_text())
@@ -176,8 +179,9 @@ def trl_worker(spec_path: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["sft_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["sft_dir"], dtype=torch.float32)
-    stop_ids = tokenizer(env.stop_text, add_special_tokens=False)["input_ids"]
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stop_ids]  # where i3core's servers stop
+    i3_model = make_component("model", resolved["model"]["use"],
+                              **{k: v for k, v in resolved["model"].items() if k != "use"})
+    model.generation_config.eos_token_id = stop_token_ids(i3_model, env)  # where i3core's servers stop
 
     def reward(prompts, completions, example_id, **_):
         return [env.score(c, by_id[i]) for c, i in zip(completions, example_id)]
@@ -209,10 +213,8 @@ def trl_worker(spec_path: Path) -> None:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
-    i3_ids = make_component("model", resolved["model"]["use"],
-                            **{k: v for k, v in resolved["model"].items() if k != "use"}).tokenizer()
     same_prompt_ids = tokenizer(examples[0].prompt, add_special_tokens=False)["input_ids"] == \
-        i3_ids.encode(examples[0].prompt).ids
+        i3_model.tokenizer().encode(examples[0].prompt).ids
     Path(spec["out"]).write_text(json.dumps({"times": times, "rewards": rewards,
                                              "threads": {"torch": torch.get_num_threads()},
                                              "same_prompt_ids": same_prompt_ids}))
