@@ -1,7 +1,9 @@
 """i3core against TRL's ``GRPOTrainer`` on the same problem, side by side on this machine.
 
 For each scenario, i3core runs first (``i3core run examples/quickstart.toml`` with the
-scenario's overrides, SFT warm start included); its version 0 (the SFT output, an HF
+scenario's overrides, SFT warm start included; by default with ``--inference local``, the
+quickstart's ``[inference]`` replaced by the engine in the orchestrator's process with as many
+slots as its servers had, ``--inference builtin`` keeps its two servers); its version 0 (the SFT output, an HF
 directory that transformers loads as ``Qwen3MoeForCausalLM``) is then trained by TRL 1.16's
 ``GRPOTrainer`` in a process of its own. Both get the same prompts in the same order (the
 orchestrator's stream: the env's dataset shuffled by ``random.Random(run.seed)``), the same
@@ -10,7 +12,8 @@ sequence), group size (``num_generations``), batch (8 prompts x 8), AdamW (same 
 eps, no weight decay, clipping at 1.0), temperature 1, no KL (``beta = 0``), rewards not
 divided by their std (``scale_rewards = "none"``) and a token-level loss normaliser
 (``loss_type = "dapo"``, as i3core's ``num_loss_tokens``). Each keeps its own default thread
-counts (reported). How they differ by design: i3core is asynchronous (up to ``max_async``
+counts (reported); TRL runs without gradient checkpointing (its default recomputes activations,
+i3core's trainer keeps them: the faster TRL is the one compared). How they differ by design: i3core is asynchronous (up to ``max_async``
 steps off policy, IcePop-masked), TRL is synchronous and on policy.
 
 Scenarios: ``short`` is the quickstart (completions of a few tokens); ``long_tail`` reverses
@@ -62,8 +65,8 @@ SCENARIOS = {
         "sets": [],
     },
     "long_tail": {
-        "steps": 30,
-        "margin": 0.04,
+        "steps": 16,
+        "margin": 0.03,
         "sets": ["env.min_len=16", "env.max_len=128", "env.max_tokens=256", "inference.max_len=400",
                  "trainer.seq_len=400"],
     },
@@ -113,6 +116,28 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
 
 
 # -- the two sides ----------------------------------------------------------------------
+
+
+LOCAL_ENGINE = 'use = "local"\nmax_slots = {slots}\nmax_len = {max_len}\n'
+"""The ``[inference]`` section of ``--inference local``: the engine in the orchestrator's process."""
+
+
+def with_inference(config: Path, inference: str, out: Path) -> Path:
+    """``config`` as it is (``builtin``), or a copy of it whose ``[inference]`` section is the local engine
+    (same ``max_len``, as many slots as the servers had together); everything else is the config's."""
+    if inference == "builtin":
+        return config
+    import tomllib
+
+    text = config.read_text()
+    section = tomllib.loads(text)["inference"]
+    slots = section.get("max_slots", 64) * section.get("servers", 1)
+    start = text.index("[inference]")
+    end = text.find("\n[", start + 1)
+    body = "[inference]\n" + LOCAL_ENGINE.format(slots=slots, max_len=section.get("max_len", 256))
+    variant = out / config.name
+    variant.write_text(text[:start] + body + (text[end:] if end >= 0 else ""))
+    return variant
 
 
 def run_i3core(config: Path, out: Path, seed: int, steps: int, sets: list[str]) -> dict:
@@ -209,6 +234,7 @@ def trl_worker(spec_path: Path) -> None:
             max_grad_norm=max_grad_norm, beta=0.0, scale_rewards="none", loss_type="dapo", num_iterations=1,
             shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
             bf16=False, seed=run["seed"], disable_tqdm=True, dataloader_num_workers=0,
+            gradient_checkpointing=False,  # TRL's default recomputes activations; i3core keeps them (faster TRL)
         )  # fmt: skip
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
@@ -283,6 +309,8 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--steps", type=int, default=None, help="RL steps per side (default: the scenario's)")
     parser.add_argument("--seed", type=int, default=0, help="run.seed")
+    parser.add_argument("--inference", choices=("local", "builtin"), default="local",
+                        help="i3core's engine: in the orchestrator's process (local), or the config's own servers")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="extra i3core override section.key=value (both scenarios)")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
@@ -290,13 +318,14 @@ def main() -> None:
     if args.trl_worker is not None:
         trl_worker(args.trl_worker)
         return
-    result = {"load_avg_start": os.getloadavg()[0], "seed": args.seed}
+    result = {"load_avg_start": os.getloadavg()[0], "seed": args.seed, "inference": args.inference}
     for name in args.scenarios.split(","):
         scenario = SCENARIOS[name]
         steps = args.steps or scenario["steps"]
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
-            i3 = run_i3core(args.config, out / "run", args.seed, steps, [*scenario["sets"], *args.sets])
+            config = with_inference(args.config, args.inference, out)
+            i3 = run_i3core(config, out / "run", args.seed, steps, [*scenario["sets"], *args.sets])
             sft = out / "sft"
             shutil.copytree(out / "run" / "broadcasts" / "step_0", sft)
             trl = run_trl(i3.pop("resolved"), sft, out, steps)
