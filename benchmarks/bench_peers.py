@@ -259,12 +259,18 @@ def steps_per_s(times: list[float]) -> float:
     return (len(times) - WARMUP_STEPS) / (times[-1] - times[WARMUP_STEPS - 1])
 
 
+def step_to(level: float, rewards: list[float]) -> int | None:
+    """The first step (1-based) whose moving mean of the reward reaches ``level`` (None: never)."""
+    for step, r in enumerate(moving(rewards), start=1):
+        if r >= level:
+            return step
+    return None
+
+
 def time_to(level: float, times: list[float], rewards: list[float]) -> float | None:
     """When the moving mean of the reward first reaches ``level`` (None: never)."""
-    for t, r in zip(times, moving(rewards)):
-        if r >= level:
-            return t
-    return None
+    step = step_to(level, rewards)
+    return None if step is None else times[step - 1]
 
 
 def at_time(t: float, times: list[float], rewards: list[float]) -> float:
@@ -290,6 +296,7 @@ def compare(i3: dict, trl: dict, margin: float) -> dict:
         "i3core_time_to_reward_s": None if t_i3 is None else round(t_i3, 2),
         "trl_time_to_reward_s": None if t_trl is None else round(t_trl, 2),
         "time_to_reward_ratio": None if t_i3 is None or t_trl is None else round(t_trl / t_i3, 3),
+        "steps_to_reward": {"i3core": step_to(level, i3["rewards"]), "trl": step_to(level, trl["rewards"])},
         "equal_time_s": round(equal, 2),
         "reward_at_equal_time": {"i3core": round(at_time(equal, i3["times"], i3["rewards"]), 4),
                                  "trl": round(at_time(equal, trl["times"], trl["rewards"]), 4)},
