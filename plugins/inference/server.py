@@ -213,12 +213,21 @@ class Server:
             return web.json_response({"status": "ok", "version": self.engine.version})
         if not isinstance(path, str):
             raise BadRequest("path must be a string")
-        try:  # every name and shape is checked before the live engine is touched
-            state = await asyncio.to_thread(self._stage_version, Path(path))
+        try:
+            await self.load_weights(Path(path), version)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        await self._swap(state, version)
         return web.json_response({"status": "ok", "version": version})
+
+    async def load_weights(self, path: Path, version: int) -> None:
+        """Read the weight version directory ``path`` off the event loop and swap it in as ``version`` between
+        two steps; returns once it is live.
+
+        :raises ValueError: missing or mismatched weights (every name and shape is checked before the live
+            engine is touched).
+        """
+        state = await asyncio.to_thread(self._stage_version, path)
+        await self._swap(state, version)
 
     def _stage_version(self, path: Path):
         with reading(path):  # the trainer's pruning waits until we are done
@@ -240,13 +249,17 @@ class Server:
         await self._swap(state, version)
         self._waits.arrived(version)
 
+    def set_paused(self, paused: bool) -> None:
+        """Hold decoding between two steps (requests still queue), or let it go on."""
+        self._paused = paused
+        self._wake.set()
+
     async def pause(self, http: web.Request) -> web.Response:
-        self._paused = True
+        self.set_paused(True)
         return web.json_response({"status": "paused", "version": self.engine.version})
 
     async def resume(self, http: web.Request) -> web.Response:
-        self._paused = False
-        self._wake.set()
+        self.set_paused(False)
         return web.json_response({"status": "running", "version": self.engine.version})
 
 

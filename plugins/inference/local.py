@@ -1,0 +1,154 @@
+"""Rollout source ``local``: the builtin engine inside the orchestrator's process, no server, no HTTP.
+
+For one small machine (a laptop): the orchestrator's rollouts call the engine
+directly, so a rollout costs no HTTP request, no JSON and no second copy of the
+model in another process. The engine is the builtin server's
+(:class:`~i3core.plugins.inference.server.Server` over
+:class:`~i3core.plugins.inference.engine.Engine`, the same continuous
+batching, in-flight weight swaps between two decode steps and per-token
+versions); its decode steps run in a worker thread (torch releases the GIL)
+while the event loop drives the envs.
+
+What differs from ``builtin``: one engine, in this process, no ``servers``
+count (so no ``broadcast`` weight sync: it needs server processes; each
+version is read from the ``filesystem`` sync's directory, which stays in the
+page cache on one machine), nothing to restart (an engine failure fails the
+run, as the orchestrator's own would), and nothing another machine can reach
+(a cluster keeps ``builtin`` or ``vllm``). ``threads`` sets torch's threads
+for the whole orchestrator process.
+"""
+
+import asyncio
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from i3core.errors import I3Error, Problem, ServerError
+from i3core.plugins.inference.engine import Request
+from i3core.plugins.inference.protocol import BadRequest
+from i3core.types import Completion
+
+LOCAL_URL = "local://engine"
+"""The one "URL" this source hands the orchestrator (its logs name the server by it)."""
+
+
+class LocalSource:
+    """Rollout source ``local``: one builtin engine in the orchestrator's process."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        max_slots: int = Field(128, ge=1, description="Sequences the engine decodes together.")
+        max_len: int = Field(256, ge=8, description="Longest prompt + completion, in tokens.")
+        threads: int = Field(1, ge=1, description="torch CPU threads of the orchestrator process (the engine's).")
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.server = None
+
+    @staticmethod
+    def check_config(config: Config, run) -> list[Problem]:
+        """The engine refuses a request for more than ``max_len`` tokens: the env must ask for fewer."""
+        max_tokens = run.option("env", "max_tokens")
+        if max_tokens is not None and max_tokens > config.max_len:
+            return [Problem("env.max_tokens", f"{max_tokens} exceeds inference.max_len ({config.max_len}): "
+                                              "the engine would refuse every request")]
+        return []
+
+    def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
+              model: dict | None = None) -> list[str]:
+        """Build the engine on ``model_dir``'s weights, served as the model component ``model`` (the run's
+        ``[model]``); one URL, :data:`LOCAL_URL`."""
+        from i3core.plugins.inference.server import builtin_server, model_component
+
+        if receiver is not None:  # check_config of the broadcast sync refuses it first; kept for direct callers
+            raise I3Error('inference "local" loads each version from a directory: use [weight_sync] use = "filesystem"')
+        torch.set_num_threads(self.config.threads)
+        spec = model or {"use": "tiny-moe"}
+        component = model_component(spec["use"], {k: v for k, v in spec.items() if k != "use"})
+        self.server = builtin_server(Path(model_dir), component, max_slots=self.config.max_slots,
+                                     max_len=self.config.max_len, version=version, served_name="local")
+        return [LOCAL_URL]
+
+    def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> "LocalClient":
+        """The orchestrator's client of the engine (``url`` is :data:`LOCAL_URL`)."""
+        if self.server is None:
+            raise I3Error('inference "local" has no engine before start()')
+        return LocalClient(self.server, tokenizer, stop_token_ids)
+
+    def close(self) -> None:
+        self.server = None
+
+
+class LocalClient:
+    """The engine as an :class:`~i3core.protocols.InferenceClient` with the HTTP client's extras
+    (``health``, ``update_weights``, ``pause``, ``resume``, ``close``), called on the orchestrator's event loop.
+
+    The engine task starts on the first call, in the running loop, and stops at :meth:`close`.
+    """
+
+    def __init__(self, server, tokenizer, stop_token_ids: list[int] | None = None):
+        self.server = server
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self._engine_task: asyncio.Task | None = None
+
+    def _engine(self) -> None:
+        if self._engine_task is None or self._engine_task.done():
+            if self._engine_task is not None and not self._engine_task.cancelled() and self._engine_task.exception():
+                raise self._engine_task.exception()  # the engine failed: so does the run
+            self._engine_task = asyncio.get_running_loop().create_task(self.server.run_engine())
+
+    async def complete(self, prompt: str, *, max_tokens: int, temperature: float, seed: int | None = None) -> Completion:
+        return await self.complete_ids(self.tokenizer.encode(prompt).ids, max_tokens=max_tokens,
+                                       temperature=temperature, seed=seed)
+
+    async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
+                           stop_token_ids: list[int] | None = None, seed: int | None = None) -> Completion:
+        """One completion of ``prompt_ids``, as the HTTP client returns it (the stop token kept in the text)."""
+        self._engine()
+        stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
+        request = Request(list(prompt_ids), max_tokens, temperature, tuple(stop or ()), seed)
+        try:
+            seq = self.server.new_sequence(request)
+        except BadRequest as exc:  # what the HTTP client raises on a 400
+            raise ServerError(f"{LOCAL_URL}: {exc}") from None
+        seq = await self.server.generate(seq)
+        self.server.requests_served += 1
+        return Completion(
+            text=self.server.tokenizer.decode(seq.token_ids, skip_special_tokens=False),
+            prompt_ids=list(prompt_ids),
+            token_ids=list(seq.token_ids),
+            logprobs=list(seq.logprobs),
+            versions=list(seq.versions),
+            finish_reason=seq.finish_reason,
+        )
+
+    async def health(self) -> dict:
+        return {"status": "ok", "version": self.server.engine.version}
+
+    async def update_weights(self, path: str | None, version: int) -> dict:
+        """Load ``version`` from the directory ``path`` (read off the event loop), swapped in between two steps."""
+        if path is None:
+            raise ServerError(f"{LOCAL_URL}: the local engine loads weights from a path only")
+        self._engine()
+        try:
+            await self.server.load_weights(Path(path), version)
+        except ValueError as exc:
+            raise ServerError(f"{LOCAL_URL}: {exc}") from None
+        return {"status": "ok", "version": version}
+
+    async def pause(self) -> dict:
+        self.server.set_paused(True)
+        return {"status": "paused", "version": self.server.engine.version}
+
+    async def resume(self) -> dict:
+        self.server.set_paused(False)
+        return {"status": "running", "version": self.server.engine.version}
+
+    async def close(self) -> None:
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            await asyncio.gather(self._engine_task, return_exceptions=True)
+            self._engine_task = None

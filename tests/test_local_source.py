@@ -1,0 +1,91 @@
+"""Rollout source ``local``: the builtin engine in the orchestrator's process, as a client and in a real run."""
+
+import asyncio
+
+import pytest
+import torch
+
+from i3core.errors import ServerError
+from i3core.loop.trainer import token_logprobs
+from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
+from i3core.testing import make_component
+from i3core.weights import STABLE
+
+from .conftest import LEDGER, quickstart_run, run_cli
+
+SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
+         "experts_per_token": 2, "moe_intermediate_size": 32}
+LOCAL = 'use = "builtin"\nservers = 2\nmax_slots = 64'
+"""The quickstart's [inference] lines that pick the builtin servers."""
+
+
+@pytest.fixture
+def weights(tmp_path):
+    component = make_component("model", "tiny-moe", **SMALL)
+    model = component.build(seed=0)
+    component.save_hf(model, tmp_path / "v0")
+    component.save_hf(component.build(seed=1), tmp_path / "v1")
+    for version in ("v0", "v1"):
+        (tmp_path / version / STABLE).write_text("")
+    return tmp_path, model
+
+
+def test_completions_logprobs_and_an_in_flight_update(weights):
+    root, model = weights
+    source = make_component("rollout_source", "local", max_slots=4, max_len=256)
+    (url,) = source.start(root / "v0", root / "logs", model={"use": "tiny-moe", **SMALL})
+    client = source.client(url, build_tokenizer(), stop_token_ids=[])
+
+    async def scenario():
+        try:
+            first = await client.complete("abc", max_tokens=6, temperature=1.0, seed=3)
+            long = asyncio.create_task(client.complete("abc", max_tokens=200, temperature=1.0, seed=1))
+            while not client.server.engine.running:
+                await asyncio.sleep(0.001)
+            await client.update_weights(str(root / "v1"), version=1)  # swapped between two decode steps
+            completion = await long
+            with pytest.raises(ServerError, match="STABLE|missing|No such"):
+                await client.update_weights(str(root / "missing"), version=2)
+            with pytest.raises(ServerError, match="path only"):
+                await client.update_weights(None, version=2)
+            with pytest.raises(ServerError, match="prompt"):
+                await client.complete_ids([], max_tokens=3, temperature=1.0)
+            return first, completion, await client.health()
+        finally:
+            await client.close()
+
+    first, completion, health = asyncio.run(scenario())
+    source.close()
+    assert health["version"] == 1
+    assert completion.versions[0] == 0 and completion.versions[-1] == 1 and completion.versions == sorted(completion.versions)
+    # Version 0's logprobs are the trainer's on the same tokens (the engine is the builtin server's).
+    ids = torch.tensor([first.prompt_ids + first.token_ids])
+    with torch.no_grad():
+        lp = token_logprobs(model.eval(), ids, torch.arange(ids.shape[1])[None], chunk=64)[0, len(first.prompt_ids):]
+    assert torch.allclose(lp, torch.tensor(first.logprobs), atol=1e-4)
+    assert first.versions == [0] * len(first.token_ids)
+
+
+def test_broadcast_with_local_is_refused_in_one_line(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[model]\nuse = "tiny-moe"\n[inference]\nuse = "local"\n[env]\nuse = "reverse-text"\n'
+                      '[weight_sync]\nuse = "broadcast"\n')
+    result = run_cli("check", str(config))
+    assert result.returncode == 2
+    assert "broadcast needs a rollout source that starts its servers" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_real_run_on_the_local_engine(tmp_path):
+    proc, out, rows = quickstart_run(tmp_path, "run.max_steps=8", "sft.steps=5",
+                                     replace={LOCAL: 'use = "local"\nmax_slots = 128'})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for row in rows:
+        assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
+        assert row["servers/live"] == 1
+    assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
+    assert rows[-1]["weights/served_version"] >= 6  # every version reached the engine in flight
+    assert max(r["off_policy/max_steps"] for r in rows) >= 1  # rollouts spanned versions: updates in flight
+    assert "Traceback" not in proc.stderr
