@@ -162,3 +162,16 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(builtins):
     run_all(crowded)
     assert again.token_ids == seq.token_ids and all(o.finish_reason == "length" for o in others)
     assert torch.allclose(torch.tensor(again.logprobs), torch.tensor(seq.logprobs), atol=1e-5)
+
+
+def test_sequences_in_scattered_slots_keep_exact_logprobs(builtins):
+    """Sequences that finish early leave holes, so the cache is gathered rather than read in place."""
+    net = model(builtins)
+    engine = Engine(net, max_slots=6, max_len=64)
+    seqs = [engine.add(Request([9, 8, 7 + i % 3], max_tokens=2 + 5 * (i % 2), seed=i)) for i in range(6)]
+    late = [engine.add(Request([4, 5], max_tokens=9, seed=10 + i)) for i in range(2)]
+    run_all(engine)
+    assert [s.slot for s in late] == [0, 2]  # the lowest holes the short ones left: running slots 0-3 and 5
+    for seq in seqs + late:
+        ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)
+        assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4
