@@ -2,7 +2,7 @@
 
 import torch
 
-from i3core.plugins.inference.engine import Engine, Request
+from i3core.plugins.inference.engine import Engine, Request, _truncate, sample
 from i3core.testing import make_component
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
@@ -84,3 +84,94 @@ def test_abort_frees_the_slot(builtins):
     engine.step()
     engine.abort(seq)
     assert seq.finish_reason == "abort" and not engine.has_work() and engine._free == [0]
+
+
+def reference_sample(seq, row):
+    """The per-sequence sampler the batched one replaced: one row, its own ops."""
+    request = seq.request
+    if request.temperature == 0:
+        logprobs = torch.log_softmax(row, dim=-1)
+        token = int(row.argmax())
+    else:
+        logprobs = torch.log_softmax(_truncate((row / request.temperature)[None], request.top_k, request.top_p)[0], -1)
+        token = int(torch.multinomial(logprobs.exp(), 1, generator=seq.generator))
+    top = []
+    if request.top_logprobs:
+        values, ids = logprobs.topk(request.top_logprobs)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return token, float(logprobs[token]), top
+
+
+SETTINGS = [
+    {"temperature": 0.0, "top_logprobs": 3},
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 5, "top_logprobs": 2},
+    {"temperature": 1.3, "top_p": 0.9},
+    {"temperature": 0.9, "top_k": 20, "top_p": 0.5},
+]
+
+
+def test_batched_sampling_equals_the_per_sequence_reference_for_fixed_seeds(builtins):
+    engine = Engine(model(builtins), max_slots=4, max_len=64)
+    requests = [Request([1], 4, seed=100 + i, **SETTINGS[i % len(SETTINGS)]) for i in range(23)]
+    logits = torch.randn(len(requests), 260, generator=torch.Generator().manual_seed(0)) * 3
+    batched, alone = [engine.new_sequence(r) for r in requests], [engine.new_sequence(r) for r in requests]
+    for _ in range(3):  # generators advance in step
+        got = sample(logits, batched)
+        want = [reference_sample(seq, row) for seq, row in zip(alone, logits)]
+        for (token, logprob, top), (ref_token, ref_logprob, ref_top) in zip(got, want):
+            assert token == ref_token
+            assert abs(logprob - ref_logprob) < 1e-6
+            assert [t for t, _ in top] == [t for t, _ in ref_top]
+            assert all(abs(a - b) < 1e-6 for (_, a), (_, b) in zip(top, ref_top))
+
+
+def test_unseeded_rows_are_drawn_from_their_truncated_distribution(builtins):
+    engine = Engine(model(builtins), max_slots=4, max_len=64)
+    seqs = [engine.new_sequence(Request([1], 4, temperature=0.8, top_k=3)) for _ in range(64)]
+    logits = torch.randn(64, 260, generator=torch.Generator().manual_seed(1))
+    for row, (token, logprob, _) in zip(logits, sample(logits, seqs)):
+        assert token in row.topk(3).indices.tolist()
+        assert abs(logprob - float(torch.log_softmax(_truncate((row / 0.8)[None], 3, 1.0)[0], -1)[token])) < 1e-6
+
+
+def test_n_sequences_of_one_prompt_share_one_prefill_and_draw_apart(builtins):
+    net = model(builtins)
+    engine = Engine(net, max_slots=8, max_len=64)
+    calls = []
+    forward = net.forward_cached
+    net.forward_cached = lambda ids, *rest: calls.append(tuple(ids.shape)) or forward(ids, *rest)
+    seqs = [engine.add(Request([5, 6, 7, 8], max_tokens=6, seed=i)) for i in range(4)]
+    engine.add(Request([1, 2], max_tokens=6, seed=9))
+    run_all(engine)
+    assert calls[:3] == [(4, 4), (1, 2), (5, 1)]  # one prefill per prompt length, then one decode of all five
+    assert len({tuple(s.token_ids) for s in seqs}) > 1
+    for seq in seqs:
+        ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)
+        assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(builtins):
+    net = model(builtins)
+    alone = Engine(net, max_slots=8, max_len=64)
+    seq = alone.add(Request([3, 1, 4], max_tokens=10, seed=42, top_p=0.95))
+    run_all(alone)
+    crowded = Engine(net, max_slots=8, max_len=64)
+    others = [crowded.add(Request([2, 7, 1 + i], max_tokens=4 + i, temperature=0.5 + i / 10)) for i in range(5)]
+    again = crowded.add(Request([3, 1, 4], max_tokens=10, seed=42, top_p=0.95))
+    run_all(crowded)
+    assert again.token_ids == seq.token_ids and all(o.finish_reason == "length" for o in others)
+    assert torch.allclose(torch.tensor(again.logprobs), torch.tensor(seq.logprobs), atol=1e-5)
+
+
+def test_sequences_in_scattered_slots_keep_exact_logprobs(builtins):
+    """Sequences that finish early leave holes, so the cache is gathered rather than read in place."""
+    net = model(builtins)
+    engine = Engine(net, max_slots=6, max_len=64)
+    seqs = [engine.add(Request([9, 8, 7 + i % 3], max_tokens=2 + 5 * (i % 2), seed=i)) for i in range(6)]
+    late = [engine.add(Request([4, 5], max_tokens=9, seed=10 + i)) for i in range(2)]
+    run_all(engine)
+    assert [s.slot for s in late] == [0, 2]  # the lowest holes the short ones left: running slots 0-3 and 5
+    for seq in seqs + late:
+        ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)
+        assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from i3core.plugins.models.tiny_moe import hf
-from i3core.plugins.models.tiny_moe.tokenizer import EOS, build_tokenizer, token_id
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, build_tokenizer, token_id
 from i3core.testing import make_component
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
@@ -42,8 +42,53 @@ def test_tokenizer_directory_loads_in_transformers(component, tmp_path):
     ours = build_tokenizer()
     text = "reverse abc: cba" + EOS
     assert tok(text)["input_ids"] == ours.encode(text).ids
-    assert tok.eos_token_id == token_id(EOS)
     assert tok.decode(ours.encode("héllo").ids) == "héllo"
+
+
+def test_saved_directory_is_a_chatml_chat_model(component, tmp_path):
+    """The template renders ChatML and the turn's end is the eos (what chat renderers cut at, vLLM stops at);
+    the component still stops a plain completion at <|endoftext|>, one of generation_config's eos ids."""
+    transformers = pytest.importorskip("transformers")
+    component.save_hf(component.build(), tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered == component.render_chat(messages)
+    assert tok.eos_token == IM_END and tok.eos_token_id == token_id(IM_END)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path)
+    assert generation.eos_token_id == [token_id(IM_END), token_id(EOS)]
+    assert component.end_of_turn_ids == [token_id(IM_END)] and component.eos_token_id == token_id(EOS)
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "fused"])
+def test_init_from_a_transformers_qwen3_moe_directory(builtins, tmp_path, layout):
+    """A directory transformers wrote (per-expert tensors, ``num_local_experts``) or holding v5's fused experts
+    loads into tiny-moe with transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=260, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, norm_topk_prob=layout == "fused")
+    torch.manual_seed(0)
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in reference.parameters():  # the default init leaves norms at 1 and experts tiny
+            param.normal_(0, 0.2)
+    reference.save_pretrained(tmp_path)
+    if layout == "fused":
+        (tmp_path / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "model.safetensors"))
+        assert "model.layers.0.mlp.experts.gate_up_proj" in reference.state_dict()
+    model = make_component("model", "tiny-moe", plugins=builtins, init_from=tmp_path).build()
+    assert model.cfg.num_experts == 4 and model.cfg.norm_topk_prob == (layout == "fused")
+    ids = random_ids(24, seed=7)
+    with torch.no_grad():
+        ours = model.logits(model(ids))
+        theirs = reference(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
 
 
 def test_load_hf_roundtrips_exactly(component, tmp_path):

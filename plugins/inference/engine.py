@@ -1,9 +1,12 @@
 """A continuous-batching generation engine over a KV cache, for the builtin inference server.
 
 Scheduling: requests wait in a FIFO queue; before every decode step, waiting
-requests take free cache slots (up to ``max_slots``) and are prefilled one by
-one; then one decode step runs every running sequence together. A finished
-sequence frees its slot at once, so a new request joins on the next step.
+requests take free cache slots (up to ``max_slots``) and are prefilled, those
+of one prompt length together in one forward (the ``n`` choices of a request,
+a group's prompts); then one decode step runs every running sequence together.
+A finished sequence frees its slot at once, so a new request joins on the next
+step. Sampling is batched: one set of tensor ops per group of sequences with
+the same settings (:func:`sample`), a per-row draw only for seeded requests.
 
 Weights can be swapped between two steps (:meth:`Engine.load_state`): running
 sequences keep their KV cache and continue under the new version, and every
@@ -169,18 +172,22 @@ class Engine(EngineBase):
         :return: the sequences that finished in this step.
         """
         finished = []
+        admitted: dict[int, list[Sequence]] = {}
         while self.waiting and self._free:
             seq = self.waiting.pop(0)
-            seq.slot = self._free.pop()
-            prompt = torch.tensor([seq.request.prompt_ids])
-            hidden = self.model.forward_cached(prompt, torch.arange(prompt.shape[1])[None], self.cache,
-                                               torch.tensor([seq.slot]))
-            self._sample([seq], hidden[:, -1])
-            if self._maybe_finish(seq):
-                finished.append(seq)
-            else:
-                self.running[seq.id] = seq
-        decoding = list(self.running.values())
+            seq.slot = self._free.pop(self._free.index(min(self._free)))  # the lowest: live slots stay packed
+            admitted.setdefault(len(seq.request.prompt_ids), []).append(seq)
+        for length, seqs in admitted.items():  # prompts of one length: one forward
+            prompts = torch.tensor([seq.request.prompt_ids for seq in seqs])
+            positions = torch.arange(length).expand(len(seqs), length)
+            hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in seqs]))
+            self._sample(seqs, hidden[:, -1])
+            for seq in seqs:
+                if self._maybe_finish(seq):
+                    finished.append(seq)
+                else:
+                    self.running[seq.id] = seq
+        decoding = sorted(self.running.values(), key=lambda s: s.slot)  # consecutive slots: the cache is read in place
         if decoding:
             tokens = torch.tensor([[s.token_ids[-1]] for s in decoding])
             positions = torch.tensor([[s.length - 1] for s in decoding])
@@ -214,34 +221,70 @@ class Engine(EngineBase):
         self.version = version
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """One token per sequence. Its logprob is under the distribution it was drawn from: after temperature,
-        and after top_k/top_p (renormalised over the tokens they keep) when those are set."""
-        logits = self.model.logits(hidden).float()
-        for seq, row in zip(seqs, logits):
-            request = seq.request
-            if request.temperature == 0:
-                logprobs = torch.log_softmax(row, dim=-1)
-                token = int(row.argmax())
-            else:
-                logprobs = torch.log_softmax(_truncate(row / request.temperature, request.top_k, request.top_p), -1)
-                token = int(torch.multinomial(logprobs.exp(), 1, generator=seq.generator))
+        """One token per sequence from ``hidden`` ``[B, H]``, recorded with its logprob and this version."""
+        for seq, (token, logprob, top) in zip(seqs, sample(self.model.logits(hidden).float(), seqs)):
             seq.token_ids.append(token)
-            seq.logprobs.append(float(logprobs[token]))
+            seq.logprobs.append(logprob)
             seq.versions.append(self.version)
-            if request.top_logprobs:
-                values, ids = logprobs.topk(min(request.top_logprobs, logprobs.shape[-1]))
-                seq.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
+            if seq.request.top_logprobs:
+                seq.top_logprobs.append(top)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """One token for each row of ``logits`` ``[B, V]`` (float32) under the settings of ``seqs[b]``:
+    ``(token, logprob, top)``, ``top`` the ``top_logprobs`` most likely ``(token, logprob)`` (empty when not asked).
+
+    The logprob is under the distribution the token was drawn from: after temperature, and after top_k/top_p
+    (renormalised over the tokens they keep) when those are set; greedy (temperature 0) takes the argmax and
+    the untempered logprob. Rows with the same settings are computed together; a seeded sequence draws from
+    its own generator, one row at a time, so its tokens do not depend on what else is in the batch.
+    """
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for row, seq in enumerate(seqs):
+        request = seq.request
+        key = (request.temperature, request.top_k, request.top_p) if request.temperature else (0.0, 0, 1.0)
+        groups.setdefault(key, []).append(row)
+    tokens = torch.empty(len(seqs), dtype=torch.long)
+    chosen = torch.empty(len(seqs))
+    tops: dict[int, list[tuple[int, float]]] = {}
+    for (temperature, top_k, top_p), rows in groups.items():
+        index = torch.tensor(rows) if len(rows) < len(seqs) else None
+        block = logits if index is None else logits.index_select(0, index)
+        if temperature == 0:
+            logprobs = torch.log_softmax(block, dim=-1)
+            picked = block.argmax(-1)
+        else:
+            logprobs = torch.log_softmax(_truncate(block / temperature, top_k, top_p), dim=-1)
+            probs = logprobs.exp()
+            seeded = [i for i, row in enumerate(rows) if seqs[row].generator is not None]
+            picked = torch.multinomial(probs, 1).squeeze(1) if len(seeded) < len(rows) else tokens.new_empty(len(rows))
+            for i in seeded:
+                picked[i] = torch.multinomial(probs[i], 1, generator=seqs[rows[i]].generator)[0]
+        values = logprobs.gather(1, picked[:, None]).squeeze(1)
+        if index is None:
+            tokens, chosen = picked, values
+        else:
+            tokens.index_copy_(0, index, picked)
+            chosen.index_copy_(0, index, values)
+        asked = [(i, seqs[row].request.top_logprobs) for i, row in enumerate(rows) if seqs[row].request.top_logprobs]
+        if asked:
+            best, ids = logprobs.topk(min(max(k for _, k in asked), logprobs.shape[-1]), dim=-1)
+            for i, k in asked:
+                tops[rows[i]] = list(zip(ids[i, :k].tolist(), best[i, :k].tolist()))
+    return [(token, logprob, tops.get(row, [])) for row, (token, logprob)
+            in enumerate(zip(tokens.tolist(), chosen.tolist()))]
 
 
 def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """``logits`` ``[V]`` with every token outside the ``top_k`` most likely and outside the smallest set whose
-    probability reaches ``top_p`` set to -inf (the most likely token always stays)."""
+    """``logits`` ``[B, V]`` with, in each row, every token outside the ``top_k`` most likely and outside the
+    smallest set whose probability reaches ``top_p`` set to -inf (the most likely token always stays)."""
     if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
     if top_p < 1.0:
-        ordered, order = logits.sort(descending=True)
-        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # probability of the tokens ranked above
-        logits = logits.clone()
-        logits[order[before >= top_p]] = -math.inf
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+        logits = logits.masked_fill(torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before >= top_p),
+                                    -math.inf)
     return logits

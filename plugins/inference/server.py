@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -87,6 +88,8 @@ class Server:
         self.busy_slot_s = 0.0
         """Slot-seconds spent generating: each step's wall time times the sequences it decoded."""
         self.started = time.time()
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="i3core-engine")
+        """The one thread every engine step runs on: torch's intra-op thread pool stays that thread's."""
 
     # -- the engine task ---------------------------------------------------
 
@@ -98,7 +101,7 @@ class Server:
                 await self._wake.wait()
                 continue
             start = time.perf_counter()
-            finished = await asyncio.to_thread(self.engine.step)
+            finished = await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.step)
             self.busy_slot_s += (time.perf_counter() - start) * (len(self.engine.running) + len(finished))
             for seq in finished:
                 self.tokens_generated += len(seq.token_ids)

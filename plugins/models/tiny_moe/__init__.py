@@ -107,6 +107,9 @@ class TinyMoE:
 
     @property
     def eos_token_id(self) -> int:
+        """``<|endoftext|>``: where a plain (non-chat) completion stops, the quickstart's included. The saved HF
+        files name ``<|im_end|>`` as the tokenizer's eos and both in ``generation_config.json``
+        (:func:`hf.generation_config`): a chat completion stops at either, as :attr:`end_of_turn_ids` plus this."""
         return token_id(EOS)
 
     @property

@@ -5,6 +5,12 @@ HF stores one ``gate_proj``/``up_proj``/``down_proj`` Linear per expert
 ``down [E, I, H]`` for grouped GEMMs. :func:`iter_hf_tensors` yields the HF
 tensors one layer at a time, so a weight push never holds a second copy of the
 whole model.
+
+Reading takes both layouts a Qwen3-MoE directory may hold: per-expert tensors
+(what this module and transformers' ``save_pretrained`` write) and transformers
+v5's fused ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj
+[E, H, I]``; and both config spellings of the expert count (``num_experts``,
+v5's ``num_local_experts``).
 """
 
 import json
@@ -12,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
-from i3core.plugins.models.tiny_moe.tokenizer import EOS, PAD, build_tokenizer, save_tokenizer, token_id
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, PAD, build_tokenizer, save_tokenizer, token_id
+from i3core.weights import read_hf_tensors
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
@@ -50,29 +57,56 @@ def hf_config(model: TinyMoEModel) -> dict:
         "sliding_window": None,
         "initializer_range": cfg.init_std,
         "bos_token_id": token_id(EOS),
-        "eos_token_id": token_id(EOS),
+        "eos_token_id": token_id(IM_END),
         "pad_token_id": token_id(PAD),
         "torch_dtype": "float32",
     }
 
 
+def generation_config() -> dict:
+    """``generation_config.json``: generation ends at the end of a turn or of the text (as Qwen3's chat models
+    say it: ``<|im_end|>`` first, then ``<|endoftext|>``)."""
+    return {"bos_token_id": token_id(EOS), "eos_token_id": [token_id(IM_END), token_id(EOS)],
+            "pad_token_id": token_id(PAD)}
+
+
+HF_DEFAULTS = {"num_key_value_heads": None, "norm_topk_prob": False, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 32768, "tie_word_embeddings": False, "initializer_range": 0.02,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+"""transformers' ``Qwen3MoeConfig`` defaults for the keys a ``config.json`` may leave out (``num_key_value_heads``:
+as many as the query heads)."""
+
+
 def config_fields_from_hf(hf: dict) -> dict:
-    """The tiny-moe Config fields stored in an HF ``config.json``."""
+    """The tiny-moe Config fields stored in an HF Qwen3-MoE ``config.json`` (this module's or transformers').
+
+    :raises ValueError: not a Qwen3-MoE config, or one with dense (non-MoE) layers, which tiny-moe lacks.
+    """
+    if hf.get("model_type") != "qwen3_moe":
+        raise ValueError(f"model_type {hf.get('model_type')!r} is not qwen3_moe")
+    hf = {**HF_DEFAULTS, **hf}
+    if hf["mlp_only_layers"] or hf["decoder_sparse_step"] != 1:
+        raise ValueError("tiny-moe has an MoE MLP in every layer: mlp_only_layers must be empty and "
+                         "decoder_sparse_step 1")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise ValueError("config.json has neither num_experts nor num_local_experts")
+    rope = hf.get("rope_parameters") or {}
     return {
         "hidden_size": hf["hidden_size"],
         "num_layers": hf["num_hidden_layers"],
         "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf["head_dim"],
-        "num_experts": hf["num_experts"],
+        "num_kv_heads": hf["num_key_value_heads"] or hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        "num_experts": experts,
         "experts_per_token": hf["num_experts_per_tok"],
         "moe_intermediate_size": hf["moe_intermediate_size"],
         "norm_topk_prob": hf["norm_topk_prob"],
         "rms_norm_eps": hf["rms_norm_eps"],
-        "rope_theta": hf.get("rope_parameters", {}).get("rope_theta", hf.get("rope_theta", 10000.0)),
+        "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
         "max_position_embeddings": hf["max_position_embeddings"],
         "tie_word_embeddings": hf["tie_word_embeddings"],
-        "init_std": hf.get("initializer_range", 0.02),
+        "init_std": hf["initializer_range"],
     }
 
 
@@ -113,6 +147,7 @@ def load_hf_tensors(model: TinyMoEModel, tensors: dict[str, torch.Tensor]) -> No
 
     :raises ValueError: a missing, unexpected or wrongly shaped tensor, before anything is copied.
     """
+    tensors = per_expert(tensors)
     expected = {name: t.shape for name, t in iter_hf_tensors(model)}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -140,11 +175,33 @@ def load_hf_tensors(model: TinyMoEModel, tensors: dict[str, torch.Tensor]) -> No
         model.lm_head.weight.copy_(tensors["lm_head.weight"])
 
 
+def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with transformers v5's fused experts (``{layer}.mlp.experts.gate_up_proj [E, 2I, H]``, gate
+    rows first, and ``{layer}.mlp.experts.down_proj [E, H, I]``) split into per-expert tensors (views); other
+    tensors as they are."""
+    out = {}
+    for name, tensor in tensors.items():
+        prefix, _, last = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and last in ("gate_up_proj", "down_proj") and tensor.dim() == 3:
+            if last == "gate_up_proj":
+                gate, up = tensor.chunk(2, dim=1)
+                for e in range(tensor.shape[0]):
+                    out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate[e], up[e]
+            else:
+                for e in range(tensor.shape[0]):
+                    out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
+
+
 def save_hf(model: TinyMoEModel, path: str | Path) -> Path:
-    """Write ``config.json``, ``model.safetensors`` (HF per-expert layout) and the tokenizer to ``path``."""
+    """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` (HF per-expert layout) and the
+    tokenizer to ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
     tensors = {name: t.to(torch.float32).contiguous() for name, t in iter_hf_tensors(model)}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(build_tokenizer(), path)
@@ -152,6 +209,6 @@ def save_hf(model: TinyMoEModel, path: str | Path) -> Path:
 
 
 def read_hf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(config.json as a dict, HF tensors)`` of a saved directory."""
+    """``(config.json as a dict, HF tensors)`` of a saved directory (one safetensors file or shards)."""
     path = Path(path)
-    return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    return json.loads((path / "config.json").read_text()), read_hf_tensors(path)

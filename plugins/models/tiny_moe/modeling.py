@@ -91,13 +91,17 @@ class Attention(nn.Module):
         cache_v: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
+        read: "CacheRead",
     ) -> torch.Tensor:
         """Attention of new tokens against a KV cache, writing their keys/values into it.
 
         ``x`` ``[B, S, H]`` are the new tokens of ``B`` sequences held in cache
         ``slots`` ``[B]`` at ``positions`` ``[B, S]``; ``cache_k``/``cache_v`` are
         ``[slots, kv_heads, max_len, D]``. Token (b, s) attends to cache entries
-        ``0..positions[b, s]`` of its own slot.
+        ``0..positions[b, s]`` of its own slot (``read``: which entries are read and the mask).
+
+        Grouped-query attention without repeating keys and values per query head: the ``heads // kv_heads``
+        query heads of a kv head are stacked as rows of one batched matmul against that head's keys.
         """
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
@@ -106,15 +110,38 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache_k[slots[:, None], :, positions] = k.transpose(1, 2)
         cache_v[slots[:, None], :, positions] = v.transpose(1, 2)
-        length = int(positions.max()) + 1
-        keys, values = cache_k[slots, :, :length], cache_v[slots, :, :length]
-        repeat = self.heads // self.kv_heads
-        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-        mask = torch.arange(length, device=x.device)[None, None, :] <= positions[:, :, None]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask[:, None], scale=1.0 / math.sqrt(self.head_dim)
-        )
+        keys, values = read.gather(cache_k), read.gather(cache_v)  # [B, kv_heads, L, D]
+        rows = b * self.kv_heads
+        group = q.reshape(rows, (self.heads // self.kv_heads) * s, self.head_dim)
+        scores = torch.baddbmm(read.bias, group, keys.reshape(rows, read.length, self.head_dim).transpose(1, 2),
+                               alpha=1.0 / math.sqrt(self.head_dim))
+        out = torch.bmm(scores.softmax(-1), values.reshape(rows, read.length, self.head_dim))
+        out = out.view(b, self.heads, s, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class CacheRead:
+    """What every layer of one :meth:`TinyMoEModel.forward_cached` call reads from its cache: the first
+    ``length`` entries (the longest live position + 1) of the ``slots`` (a view when they are consecutive, else a
+    gathered copy), and the additive mask ``bias`` ``[B * kv_heads, heads // kv_heads * S, length]`` (0 where token
+    (b, s) may attend, -inf elsewhere)."""
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, group: int):
+        b, s = positions.shape
+        self.length = int(positions.max()) + 1
+        first, count = int(slots[0]), slots.shape[0]
+        consecutive = bool((slots == torch.arange(first, first + count, device=slots.device)).all())
+        self.rows = slice(first, first + count) if consecutive else slots
+        hidden = torch.arange(self.length, device=positions.device) > positions[:, :, None]  # [B, S, L]
+        bias = torch.zeros(b, 1, 1, s, self.length, device=positions.device).masked_fill_(hidden[:, None, None],
+                                                                                            -math.inf)
+        self.bias = bias.expand(b, kv_heads, group, s, self.length).reshape(b * kv_heads, group * s, self.length)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """``[B, kv_heads, length, D]`` of a layer's ``[slots, kv_heads, max_len, D]`` cache."""
+        if isinstance(self.rows, slice):
+            return cache[self.rows, :, : self.length]
+        return cache.index_select(0, self.rows)[:, :, : self.length]  # whole rows: a contiguous copy is faster
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
@@ -201,8 +228,8 @@ class Block(nn.Module):
         x = x + self.attn(self.input_norm(x), cos, sin, mask)
         return x + self.moe(self.post_attn_norm(x))
 
-    def forward_cached(self, x, cos, sin, cache_k, cache_v, slots, positions):
-        x = x + self.attn.forward_cached(self.input_norm(x), cos, sin, cache_k, cache_v, slots, positions)
+    def forward_cached(self, x, cos, sin, cache_k, cache_v, slots, positions, read):
+        x = x + self.attn.forward_cached(self.input_norm(x), cos, sin, cache_k, cache_v, slots, positions, read)
         return x + self.moe(self.post_attn_norm(x))
 
 
@@ -266,13 +293,14 @@ class TinyMoEModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[B, S, H]`` of new tokens ``input_ids`` ``[B, S]`` of the sequences in ``slots``.
 
-        Used by inference: a prefill passes a prompt (``B = 1``), a decode step
+        Used by inference: a prefill passes prompts of one length (``B >= 1``), a decode step
         passes one token for each running sequence (``S = 1``).
         """
         x = self.embed(input_ids)
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        read = CacheRead(slots, positions, self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads)
         for block, keys, values in zip(self.blocks, cache.keys, cache.values):
-            x = block.forward_cached(x, cos, sin, keys, values, slots, positions)
+            x = block.forward_cached(x, cos, sin, keys, values, slots, positions, read)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

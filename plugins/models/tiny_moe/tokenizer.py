@@ -73,12 +73,13 @@ loaded with ``AutoTokenizer`` (verifiers' renderers, vLLM, transformers)."""
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
-    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that ``AutoTokenizer`` reads (with the chat
-    template)."""
+    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that ``AutoTokenizer`` reads: the chat template,
+    and ``<|im_end|>`` as its eos, the token that ends an assistant turn (as a Qwen3 chat model's tokenizer says:
+    chat renderers cut turns there and vLLM stops there)."""
     tokenizer.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS,
+        "eos_token": IM_END,
         "pad_token": PAD,
         "model_max_length": 1 << 20,
         "clean_up_tokenization_spaces": False,
