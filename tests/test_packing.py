@@ -36,3 +36,29 @@ def test_pack_places_whole_samples_and_resets_positions():
 def test_a_sample_longer_than_a_row_is_an_error_not_a_truncation():
     with pytest.raises(I3Error, match="does not fit trainer.seq_len = 4"):
         pack([sample(2, 3)], seq_len=4)
+
+
+def test_logprobs_of_the_loss_tokens_alone_equal_those_of_every_token(builtins):
+    """The trainer runs the LM head on the loss tokens only (``where``): their logprobs and gradients are the ones of
+    the whole-row computation, every other entry is 0."""
+    import random
+
+    from i3core.loop.trainer import token_logprobs
+    from i3core.testing import make_component
+
+    model = make_component("model", "tiny-moe", plugins=builtins).build(0)
+    rng = random.Random(0)
+    samples = []
+    for _ in range(12):
+        n_prompt, n_completion = rng.randint(3, 9), rng.randint(1, 6)
+        samples.append(sample(n_prompt, n_completion, start=rng.randint(1, 200)))
+    batch = pack(samples, seq_len=48)
+    mask = batch.loss_mask
+    every = token_logprobs(model, batch.input_ids, batch.position_ids, chunk=7)
+    alone = token_logprobs(model, batch.input_ids, batch.position_ids, chunk=7, where=mask)
+    assert torch.equal(every[mask], alone[mask]) and not alone[~mask].any()
+    params = list(model.parameters())
+    for got, want in zip(torch.autograd.grad(alone[mask].sum(), params), torch.autograd.grad(every[mask].sum(), params)):
+        assert torch.allclose(got, want, atol=1e-5)
+    nothing = token_logprobs(model, batch.input_ids, batch.position_ids, chunk=7, where=torch.zeros_like(mask))
+    assert not nothing.any() and nothing.requires_grad  # the head stays in the graph (FSDP2 ranks reduce its grads)

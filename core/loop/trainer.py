@@ -40,19 +40,26 @@ from i3core.loop.paths import RunPaths
 from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
-BATCH_POLL_S = 0.02
+BATCH_POLL_S = 0.002
+"""How often the trainer looks for its next batch: the wait is on the critical path of every step (a few
+microseconds of CPU a look)."""
 
 
-def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0,
+                   where: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, S]`` log p(input_ids[:, t] | tokens before t) under ``model``; column 0 is 0.
 
-    The log-softmax over the vocabulary runs ``chunk`` tokens at a time and is
-    recomputed in backward, so at most ``[chunk, V]`` float32 logits are alive.
+    ``where`` ``[R, S]`` (bool): the only tokens whose logprob is wanted (the loss tokens); the LM head and the
+    log-softmax run on those alone and every other entry is 0 (None: every token). The log-softmax over the
+    vocabulary runs ``chunk`` tokens at a time and is recomputed in backward, so at most ``[chunk, V]`` float32
+    logits are alive.
     """
     hidden = model(input_ids, position_ids)[:, :-1]
     rows, cols, width = hidden.shape
-    flat_hidden = hidden.reshape(-1, width)
-    flat_targets = input_ids[:, 1:].reshape(-1)
+    targets = input_ids[:, 1:]
+    wanted = None if where is None else where[:, 1:]
+    flat_hidden = hidden.reshape(-1, width) if wanted is None else hidden[wanted]
+    flat_targets = targets.reshape(-1) if wanted is None else targets[wanted]
 
     def chunk_logprobs(h, targets):
         logits = model.logits(h).float() / temperature
@@ -62,7 +69,11 @@ def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: floa
         recompute(chunk_logprobs, h, t, use_reentrant=False)
         for h, t in zip(flat_hidden.split(chunk), flat_targets.split(chunk))
     ]
-    logprobs = torch.cat(pieces).reshape(rows, cols)
+    picked = torch.cat(pieces)  # an empty selection still gives one (empty) chunk: the head stays in the graph
+    if wanted is None:
+        logprobs = picked.reshape(rows, cols)
+    else:
+        logprobs = picked.new_zeros(rows, cols).masked_scatter(wanted, picked)
     return torch.cat([logprobs.new_zeros(rows, 1), logprobs], dim=1)
 
 
@@ -238,9 +249,10 @@ class Trainer:
             total = batch.loss_mask.sum().clamp_min(1)
             batch = self.local_rows(batch)
             optimizer.zero_grad(set_to_none=True)
+            mask = batch.loss_mask.to(self.device)
             lp = token_logprobs(self.model, batch.input_ids.to(self.device), batch.position_ids.to(self.device),
-                                self.config.trainer.logprob_chunk)
-            loss = -(lp * batch.loss_mask.to(self.device)).sum() / total
+                                self.config.trainer.logprob_chunk, where=mask)
+            loss = -(lp * mask).sum() / total
             (loss * self.world).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
             optimizer.step()
@@ -274,7 +286,8 @@ class Trainer:
             mb = {key: value.to(self.device) for key, value in mb.items()}
             versions = versions.to(self.device)
             with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
-                lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk)
+                lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk,
+                                    where=mb["loss_mask"])
             activation_bytes = max(activation_bytes, saved.bytes)
             mask = mb["loss_mask"].reshape(-1)
             out = loss_fn(
