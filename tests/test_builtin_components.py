@@ -76,10 +76,10 @@ def test_jsonl_sink_writes_valid_json_for_nonfinite_values(builtins, tmp_path):
     assert rows == [{"step": 1, "loss": None, "reward/mean": 0.5}, {"step": 2, "loss": 0.25}]
 
 
-def test_async_starts_a_group_only_within_max_async_versions_of_the_weights_that_train_it(builtins):
+def test_async_starts_a_group_only_within_max_sample_lag_versions_of_the_weights_that_train_it(builtins):
     """A new group joins the batch after the open ones (8 groups a batch here); the batch of step s trains version
-    s - 1, and a group sampled now, on ``served`` weights, may be at most ``max_async`` versions behind it."""
-    scheduler = make_component("scheduler", "async", plugins=builtins, group_size=8, batch_size=64, max_async=1)
+    s - 1, and a group sampled now, on ``served`` weights, may be at most ``max_sample_lag`` versions behind it."""
+    scheduler = make_component("scheduler", "async", plugins=builtins, group_size=8, batch_size=64, max_sample_lag=1)
     # step 5 trains version 4; the servers hold 4: this batch and the next may fill (16 groups)
     assert scheduler.may_start_group(5, 4, open_groups=15)
     assert not scheduler.may_start_group(5, 4, open_groups=16)
@@ -88,5 +88,13 @@ def test_async_starts_a_group_only_within_max_async_versions_of_the_weights_that
     assert not scheduler.may_start_group(5, 3, open_groups=8)
     # two behind (the trainer waits for them): nothing new until newer weights arrive
     assert not scheduler.may_start_group(5, 2, open_groups=0)
-    lax = make_component("scheduler", "async", plugins=builtins, group_size=8, batch_size=64, max_async=3)
+    lax = make_component("scheduler", "async", plugins=builtins, group_size=8, batch_size=64, max_sample_lag=3)
     assert lax.may_start_group(5, 2, open_groups=8)
+    unbounded = make_component("scheduler", "async", plugins=builtins, group_size=8, batch_size=64)
+    assert unbounded.may_start_group(5, 0, open_groups=1000)  # the default: a free slot always takes a group
+
+
+def test_async_refuses_a_sample_lag_below_the_forced_update_lag(builtins):
+    with pytest.raises(Exception, match="max_sample_lag .0. must be at least weight_update_lag .1."):
+        make_component("scheduler", "async", plugins=builtins, group_size=8, batch_size=64, max_async=1,
+                       weight_update_lag=1, max_sample_lag=0)
