@@ -435,13 +435,15 @@ class Trainer:
             checkpoint.clear_staging(self.paths.checkpoints)
         if self.config.sft.steps and self.resume_step is None:
             self.sft()
-        self.publish(start, initial=True)
+        # Everything the first step needs is ready before the first version goes out: the orchestrator starts
+        # generating the moment it appears, and the peak-FLOPs probe would take the CPU from the first batch.
         loss_fn = self.config.get("loss").build()
         optimizer = self.config.get("optimizer").build().build(self.model.named_parameters())
         schedule = lr_schedule(optimizer, self.config.trainer, self.config.run.max_steps)
         if self.resume_step is not None:
             self._resume_optimizer(optimizer, schedule)
         peak = matmul_peak_flops(self.device)
+        self.publish(start, initial=True)
         every = self.config.trainer.checkpoint_every
         last = start
         for step in range(start + 1, self.config.run.max_steps + 1):
