@@ -15,7 +15,7 @@ class LossInputs:
     """What a loss component receives: 1-D tensors, one entry per token ``[T]``.
 
     :ivar trainer_logprobs: ``[T]`` float, log p of each token under the trainer
-        (requires grad).
+        (requires grad); computed on the loss tokens only, 0 where ``loss_mask`` is False.
     :ivar inference_logprobs: ``[T]`` float, log p under the policy version that
         sampled the token.
     :ivar advantages: ``[T]`` float, the sample's advantage on each of its tokens.

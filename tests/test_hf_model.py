@@ -4,7 +4,6 @@ weights and a BPE tokenizer by examples/make_hf_model.py) meet the Model protoco
 import asyncio
 import importlib.util
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from safetensors.torch import load_file
 
 from i3core.config import validate
 from i3core.errors import I3Error
-from i3core.loop.packing import Sample, pack
 from i3core.loop.trainer import token_logprobs
 from i3core.plugins.envs.chat import ChatML, ModelTemplate, renderer_for
 from i3core.plugins.inference.engine import Engine, Request
@@ -23,6 +21,7 @@ from i3core.protocols import CausalLM, Model
 from i3core.testing import ScriptedClient, make_component, plugin_manager
 
 from .conftest import LEDGER, ROOT, assert_ledger, run_cli, torchrun_trainer
+from .test_trainer_distributed import make_batches
 
 ARCHITECTURES = ["qwen3", "llama", "qwen3_moe"]
 
@@ -400,20 +399,6 @@ def test_versions_broadcast_by_two_sharded_ranks_sample_with_the_trainers_logpro
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------------------------
-
-
-def make_batches(out, steps, vocab):
-    rng = random.Random(0)
-    (out / "batches").mkdir(parents=True)
-    for step in range(1, steps + 1):
-        samples = []
-        for _ in range(13):  # an odd number of rows, so one rank gets a padding row
-            n_prompt, n_completion = rng.randint(2, 6), rng.randint(2, 8)
-            ids = [rng.randrange(vocab) for _ in range(n_prompt + n_completion)]
-            logprobs = [0.0] * n_prompt + [-rng.uniform(0.5, 3.0) for _ in range(n_completion)]
-            samples.append(Sample(ids, [False] * n_prompt + [True] * n_completion, logprobs,
-                                  [-1] * n_prompt + [0] * n_completion, rng.uniform(-1, 1)))
-        torch.save(pack(samples, seq_len=16), out / "batches" / f"step_{step}.pt")
 
 
 def train_on_ranks(tmp_path, directory, nproc, activation_memory, steps=2):

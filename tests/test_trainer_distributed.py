@@ -18,14 +18,15 @@ pytestmark = pytest.mark.slow
 MODEL = {"use": "tiny-moe", "hidden_size": 64, "num_experts": 4, "moe_intermediate_size": 32}
 
 
-def make_batches(out, steps):
+def make_batches(out, steps, vocab: int = 256):
+    """``steps`` packed batches of 13 random samples (token ids below ``vocab``) under ``out/batches``."""
     rng = random.Random(0)
     (out / "batches").mkdir(parents=True)
     for step in range(1, steps + 1):
         samples = []
         for _ in range(13):  # an odd number of rows, so one rank gets a padding row
             n_prompt, n_completion = rng.randint(2, 6), rng.randint(2, 8)
-            ids = [rng.randrange(256) for _ in range(n_prompt + n_completion)]
+            ids = [rng.randrange(vocab) for _ in range(n_prompt + n_completion)]
             logprobs = [0.0] * n_prompt + [-rng.uniform(0.5, 3.0) for _ in range(n_completion)]
             samples.append(Sample(ids, [False] * n_prompt + [True] * n_completion, logprobs,
                                   [-1] * n_prompt + [0] * n_completion, rng.uniform(-1, 1)))

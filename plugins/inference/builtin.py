@@ -38,6 +38,14 @@ SUPERVISE_POLL_S = 0.5
 """How often the supervisor looks for a crashed server: a restart begins at most this long after the crash."""
 
 
+def max_tokens_problems(run, max_len: int, engine: str) -> list[Problem]:
+    """``env.max_tokens`` above ``inference.max_len``: ``engine`` (who serves) would refuse every request."""
+    max_tokens = run.option("env", "max_tokens")
+    if max_tokens is not None and max_tokens > max_len:
+        return [Problem("env.max_tokens", f"{max_tokens} exceeds inference.max_len ({max_len}): "
+                                          f"{engine} would refuse every request")]
+    return []
+
 class ServerConfig(BaseModel):
     """What every source of local server processes takes."""
 
@@ -80,11 +88,7 @@ class ServerProcesses:
     @staticmethod
     def check_config(config: ServerConfig, run) -> list[Problem]:
         """A server refuses a request for more than ``max_len`` tokens: the env must ask for fewer."""
-        max_tokens = run.option("env", "max_tokens")
-        if max_tokens is not None and max_tokens > config.max_len:
-            return [Problem("env.max_tokens", f"{max_tokens} exceeds inference.max_len ({config.max_len}): "
-                                              "the servers would refuse every request")]
-        return []
+        return max_tokens_problems(run, config.max_len, "the servers")
 
     def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
                 model: dict | None = None) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from i3core.errors import I3Error, Problem, ServerError
+from i3core.plugins.inference.builtin import max_tokens_problems
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.protocol import BadRequest
 from i3core.types import Completion
@@ -50,11 +51,7 @@ class LocalSource:
     @staticmethod
     def check_config(config: Config, run) -> list[Problem]:
         """The engine refuses a request for more than ``max_len`` tokens: the env must ask for fewer."""
-        max_tokens = run.option("env", "max_tokens")
-        if max_tokens is not None and max_tokens > config.max_len:
-            return [Problem("env.max_tokens", f"{max_tokens} exceeds inference.max_len ({config.max_len}): "
-                                              "the engine would refuse every request")]
-        return []
+        return max_tokens_problems(run, config.max_len, "the engine")
 
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
               model: dict | None = None) -> list[str]:
