@@ -56,7 +56,7 @@ from i3core.types import Example, Group, Rollout
 log = structlog.get_logger("i3core.orchestrator")
 
 TRAINER_POLL_S = 0.002
-"""How often the orchestrator looks for the trainer's next version: new groups wait for it (``max_async``)."""
+"""How often the orchestrator looks for the trainer's next version (new groups may wait for it: ``max_sample_lag``)."""
 PROBE_FIRST_S = 0.5
 """First re-probe of a server marked down; doubles after every failed probe."""
 PROBE_MAX_S = 8.0
