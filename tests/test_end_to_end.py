@@ -43,6 +43,12 @@ def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
     assert "Traceback" not in stderr
 
 
+KEEP_GENERATING = "scheduler.max_sample_lag=8"
+"""The servers generate without waiting for the trainer, so a kill hits running rollouts: with the quickstart's
+lag of 1 they idle between batches (its engine outpaces its trainer), and a server killed idle has nothing to
+re-queue."""
+
+
 def server_pids(out):
     found = subprocess.run(["pgrep", "-f", f"i3core.plugins.inference.server --model-dir {out}"],
                            capture_output=True, text=True).stdout.split()
@@ -51,7 +57,8 @@ def server_pids(out):
 
 def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_path):
     out = tmp_path / "run"
-    proc = start_run(out, "run.max_steps=40", "sft.steps=5", "inference.restarts=0")  # it never comes back
+    proc = start_run(out, "run.max_steps=40", "sft.steps=5", "inference.restarts=0",  # it never comes back
+                     KEEP_GENERATING)
     with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
@@ -82,7 +89,7 @@ def logged(out, event: str) -> list[dict]:
 
 def test_a_killed_server_is_restarted_and_re_admitted_and_the_ledger_holds(tmp_path):
     out = tmp_path / "run"
-    proc = start_run(out, f"run.max_steps={RESTART_STEPS}", "sft.steps=5")
+    proc = start_run(out, f"run.max_steps={RESTART_STEPS}", "sft.steps=5", KEEP_GENERATING)
     with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)
