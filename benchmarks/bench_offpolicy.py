@@ -1,6 +1,6 @@
 """Off-policy ablation: the quickstart task with staleness forced to about 8 steps, one run per loss.
 
-Each run is the quickstart with the servers held ``--lag`` versions behind the
+Each run is the quickstart with its engine held ``--lag`` versions behind the
 trainer (``scheduler.weight_update_lag``, with ``max_async`` = lag and
 ``max_off_policy_steps`` = 8, so groups older than 8 steps are dropped) and the
 same seed; only the loss differs: icepop, gspo, cispo and pg (no correction).

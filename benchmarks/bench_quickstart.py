@@ -4,7 +4,7 @@ Runs ``i3core run examples/quickstart.toml`` (SFT warm start included) in a
 fresh output directory and reads its metrics.jsonl. The last line is JSON:
 ``wall_s``, ``reward_first5`` / ``reward_last5`` (mean reward of the first and
 last five RL steps), ``reward_gain`` (their difference), ``steps``, and
-``same_version_abs_diff_step1`` (trainer vs server logprobs on the same weights).
+``same_version_abs_diff_step1`` (trainer vs engine logprobs on the same weights).
 """
 
 import argparse

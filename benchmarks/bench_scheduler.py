@@ -11,7 +11,7 @@ filesystem weight sync, which the servers load in flight. Every server has
 generates a whole batch on the weights it trains; ``async`` keeps every slot
 busy (``inflight`` = servers x slots).
 
-Part 2 runs ``examples/quickstart.toml`` (real trainer, builtin servers) with
+Part 2 runs ``examples/quickstart.toml`` (real trainer, its in-process engine) with
 each scheduler for ``--quickstart-steps`` steps and compares their step times.
 
 Figures are taken between the end of step ``--warm`` and the last step. The

@@ -60,6 +60,9 @@ class TrainerSection(BaseModel):
 
     seq_len: int = Field(512, ge=8, description="Tokens per packed row; a sample never spans rows.")
     micro_batch_rows: int = Field(8, ge=1, description="Rows per forward/backward (gradient accumulation).")
+    share_prompts: bool = Field(
+        True, description="Pack the completions of one prompt as a prefix tree (the prompt computed once), where the "
+                          "model component supports it (its prefix_trees attribute; tiny-moe and hf do).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary.")
     nproc: int = Field(1, ge=1, description="Trainer processes (torchrun --nproc-per-node); >1 shards with FSDP2.")

@@ -226,6 +226,11 @@ class Model(Protocol):
     :meth:`render_chat`, :attr:`eos_token_id`, :attr:`end_of_turn_ids`, and the module's cached decode
     (:class:`CausalLM`). A model served only by vLLM may leave the builtin server's part out; the builtin
     server then refuses it with one line.
+
+    Optional: a ``prefix_trees = True`` attribute says the model's training forward masks attention as
+    :func:`i3core.packed.attention_mask` does (prefix trees as well as packed samples); the orchestrator then
+    packs the completions of one prompt as a tree (``[trainer] share_prompts``). Without it, samples are packed
+    side by side.
     """
 
     def build(self, seed: int = 0) -> CausalLM:

@@ -35,6 +35,13 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
     )
 
 
+QUICKSTART_LOCAL = '[inference]\nuse = "local"'
+"""The quickstart's rollout source: the builtin engine inside the orchestrator's process (a comment follows)."""
+
+SERVERS = ("inference.use='builtin'", "inference.servers=2", "inference.max_slots=64")
+"""``--set`` overrides that turn the quickstart's in-process engine (``local``) into two builtin server processes
+(HTTP): for the tests of the disaggregated path (server faults, roles, weight transports)."""
+
 QUICKSTART_FILESYSTEM_SYNC = 'use = "filesystem"          # safetensors in broadcasts/step_N/ + a STABLE marker\nkeep = 3'
 
 

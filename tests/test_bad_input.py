@@ -78,7 +78,7 @@ class Poison:
 
 @pytest.mark.slow
 def test_nonfinite_rewards_and_logprobs_are_masked_counted_and_never_trained_on(tmp_path):
-    """The real stack (torchrun trainer, two builtin servers, the orchestrator in this process)."""
+    """The real stack (torchrun trainer, the orchestrator in this process with the quickstart's engine)."""
     from i3core.loop import run
     from i3core.config import load_config
     from i3core.testing import plugin_manager

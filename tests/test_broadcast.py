@@ -19,6 +19,7 @@ from i3core.testing import make_component, plugin_manager
 
 from .conftest import (
     QUICKSTART_FILESYSTEM_SYNC,
+    SERVERS,
     abs_logprob_diffs,
     quickstart_run,
     torchrun_trainer,
@@ -133,7 +134,7 @@ def test_an_fsdp2_trainer_streams_the_same_weights_it_would_write(tmp_path):
 
 
 def test_a_run_on_the_broadcast_sync(tmp_path):
-    proc, out, rows = quickstart_run(tmp_path, "run.max_steps=5", "sft.steps=5",
+    proc, out, rows = quickstart_run(tmp_path, "run.max_steps=5", "sft.steps=5", *SERVERS,
                                      replace={QUICKSTART_FILESYSTEM_SYNC: 'use = "broadcast"'})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

@@ -1,4 +1,5 @@
-"""The whole stack as a user runs it: `i3core run` with real processes (torchrun trainer, HTTP servers)."""
+"""The whole stack as a user runs it: `i3core run` with real processes (torchrun trainer, the engine in the
+orchestrator as the quickstart has it, or HTTP servers where a test says so)."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from .conftest import LEDGER, ROOT, finish_run, killed_on_failure, read_metrics, wait_for_step, wait_while_running
+from .conftest import LEDGER, ROOT, SERVERS, finish_run, killed_on_failure, read_metrics, wait_for_step, wait_while_running
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
         assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
         assert 0 < row["perf/mfu"] < 1 and row["memory/activations_mb"] > 0
         assert row["rollouts/trained"] >= row["step"] * 64  # batches handed to the trainer, maybe ahead
-    # Version 0 is exactly what the servers sampled with: the trainer and the server agree.
+    # Version 0 is exactly what the engine sampled with: the trainer and the engine agree.
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
     assert rows[0]["mismatch/same_version_tokens"] > 0
     assert (out / "checkpoints" / "step_6" / "model.pt").exists()
@@ -57,7 +58,7 @@ def server_pids(out):
 
 def test_killing_one_of_two_servers_mid_run_the_run_finishes_on_the_other(tmp_path):
     out = tmp_path / "run"
-    proc = start_run(out, "run.max_steps=40", "sft.steps=5", "inference.restarts=0",  # it never comes back
+    proc = start_run(out, "run.max_steps=40", "sft.steps=5", *SERVERS, "inference.restarts=0",  # never back
                      KEEP_GENERATING)
     with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
@@ -89,7 +90,7 @@ def logged(out, event: str) -> list[dict]:
 
 def test_a_killed_server_is_restarted_and_re_admitted_and_the_ledger_holds(tmp_path):
     out = tmp_path / "run"
-    proc = start_run(out, f"run.max_steps={RESTART_STEPS}", "sft.steps=5", KEEP_GENERATING)
+    proc = start_run(out, f"run.max_steps={RESTART_STEPS}", "sft.steps=5", *SERVERS, KEEP_GENERATING)
     with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         pids = server_pids(out)

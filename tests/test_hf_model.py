@@ -20,7 +20,8 @@ from i3core.plugins.inference.engine import Engine, Request
 from i3core.protocols import CausalLM, Model
 from i3core.testing import ScriptedClient, make_component, plugin_manager
 
-from .conftest import LEDGER, ROOT, assert_ledger, run_cli, torchrun_trainer
+from .conftest import LEDGER, ROOT, SERVERS, assert_ledger, run_cli, torchrun_trainer
+from .test_packing import groups_of, tree_and_flat_logprobs
 from .test_trainer_distributed import make_batches
 
 ARCHITECTURES = ["qwen3", "llama", "qwen3_moe"]
@@ -78,6 +79,23 @@ def test_a_sample_packed_beside_another_keeps_its_logprobs(made, architecture, a
         packed = token_logprobs(model, row[None], positions[None], chunk=5)[0]
     # column t is token t given the tokens before it; the second sample's first token has nothing before it
     assert (packed[8:16] - alone[1:]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_prefix_trees_keep_the_logprobs_of_samples_packed_apart(made, architecture, attn):
+    """The completions of one prompt sharing it (``[trainer] share_prompts``): the tree's own mask, not
+    transformers' packed-sequence one, which would cut every branch off its prompt."""
+    model = component(made(architecture), attn_implementation=attn).build().eval()
+    assert tree_and_flat_logprobs(model, groups_of(3, 4, vocab=model.vocab_size)) < 1e-5
+
+
+def test_prefix_trees_keep_the_sliding_window(tmp_path):
+    """A window of 4 tokens on some layers: the tree's mask applies it where transformers' own does."""
+    directory = make_hf_model(tmp_path / "qwen3", "qwen3", use_sliding_window=True, sliding_window=4,
+                              max_window_layers=1)
+    model = component(directory).build().eval()
+    assert tree_and_flat_logprobs(model, groups_of(3, 4, vocab=model.vocab_size)) < 1e-5
 
 
 def test_activation_checkpointing_keeps_only_layer_inputs_and_the_same_gradients(made):
@@ -351,14 +369,14 @@ def test_a_bad_model_directory_is_one_line(tmp_path, kind, expect):
 
 
 def hf_run(tmp_path, directory, *sets, config=None):
-    """``i3core run`` on examples/hf_model.toml (or ``config``, its text) with a short SFT + 3 RL steps; the rows."""
+    """``i3core run`` on examples/hf_model.toml (or ``config``, its text) with a short SFT + 3 RL steps on two builtin
+    servers; the rows."""
     out = tmp_path / "run"
     path = ROOT / "examples" / "hf_model.toml"
     if config is not None:
         path = tmp_path / "hf_model.toml"
         path.write_text(config)
-    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5",
-            "inference.servers=2", *sets]
+    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5", *SERVERS, *sets]
     proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(path),
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,15 +4,26 @@ import asyncio
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
 from i3core.cli.main import build_parser
 
-from .conftest import ROOT, run_cli
+from .conftest import QUICKSTART_LOCAL, ROOT, run_cli
 
 QUICKSTART = str(ROOT / "examples" / "quickstart.toml")
+
+
+@pytest.fixture
+def cluster(tmp_path) -> str:
+    """The quickstart as a cluster runs it: the same file with its ``[inference]`` as two builtin servers."""
+    text = (ROOT / "examples" / "quickstart.toml").read_text()
+    assert QUICKSTART_LOCAL in text
+    path = tmp_path / "cluster.toml"
+    path.write_text(text.replace(QUICKSTART_LOCAL, '[inference]\nuse = "builtin"\nservers = 2\n'))
+    return str(path)
 
 
 def commands() -> set[str]:
@@ -28,8 +39,8 @@ def assert_only_existing_commands(text: str) -> set[str]:
     return called
 
 
-def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path):
-    result = run_cli("launch", "--dry-run", QUICKSTART, "--trainer-nodes", "2", "--inference-nodes", "3",
+def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path, cluster):
+    result = run_cli("launch", "--dry-run", cluster, "--trainer-nodes", "2", "--inference-nodes", "3",
                      "--gpus-per-node", "4", "--partition", "h200", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     script = tmp_path / "job.sbatch"
@@ -42,13 +53,13 @@ def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path):
     assert headers.count("hetjob") == 2 and headers.count("--partition=h200") == 2
     assert "--nodes=2" in headers and "--nodes=3" in headers and "--gpus-per-node=4" in headers
     assert "torchrun --nnodes=2 --nproc-per-node=4" in text and "-m i3core.loop.trainer" in text
-    assert f'CONFIG="{QUICKSTART}"' in text and f"#SBATCH --chdir={tmp_path}" in text
+    assert f'CONFIG="{cluster}"' in text and f"#SBATCH --chdir={tmp_path}" in text
     assert 'i3core inference "$CONFIG" --index "$i" --port 8000 --host 0.0.0.0' in text
     assert 'i3core orchestrator "$CONFIG" --servers "${SERVERS[@]}"' in text
 
 
-def test_k8s_manifests_render_parse_and_deserialise(tmp_path):
-    result = run_cli("launch", "--dry-run", QUICKSTART, "--target", "k8s", "--out", str(tmp_path / "k8s"),
+def test_k8s_manifests_render_parse_and_deserialise(tmp_path, cluster):
+    result = run_cli("launch", "--dry-run", cluster, "--target", "k8s", "--out", str(tmp_path / "k8s"),
                      "--trainer-nodes", "2", "--gpus-per-node", "8", "--image", "reg/i3core:1")
     assert result.returncode == 0, result.stderr
     files = [tmp_path / "k8s" / f"{n}.yaml" for n in ("config", "trainer", "inference", "orchestrator")]
@@ -92,8 +103,8 @@ def test_k8s_manifests_render_parse_and_deserialise(tmp_path):
     assert job.spec.template.spec.containers[0].volume_mounts[1].mount_path == "/runs"
 
 
-def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path):
-    result = run_cli("launch", "--dry-run", QUICKSTART, "--target", "k8s")
+def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path, cluster):
+    result = run_cli("launch", "--dry-run", cluster, "--target", "k8s")
     assert result.returncode == 0, result.stderr
     config_map = next(d for d in yaml.safe_load_all(result.stdout) if d["kind"] == "ConfigMap")
     resolved = json.loads(config_map["data"]["plugins.json"])
@@ -104,13 +115,17 @@ def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path):
     assert check.returncode == 0, check.stderr
 
 
-def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path):
+def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path, cluster):
     plain = run_cli("launch", QUICKSTART)
     assert plain.returncode == 2 and plain.stderr.splitlines() == [  # a usage error, like sandbox manifests
         "error: i3core launch only renders for now: add --dry-run, then submit the files with sbatch or "
         "kubectl apply -f"]
+    local = run_cli("launch", "--dry-run", QUICKSTART)
+    assert local.returncode == 1 and local.stderr.splitlines() == [
+        "error: cannot launch the roles separately: inference 'local' starts no servers to put on nodes (it runs "
+        'inside the orchestrator): set [inference] use = "builtin" or "vllm", with servers = N']
     config = tmp_path / "p.toml"
-    config.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace(
+    config.write_text(Path(cluster).read_text().replace(
         'use = "filesystem"', 'use = "broadcast"').replace("keep = 3", ""))
     broadcast = run_cli("launch", "--dry-run", str(config))
     assert broadcast.returncode == 1 and broadcast.stderr.splitlines() == [

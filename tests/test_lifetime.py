@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, SERVERS
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,8 @@ def test_sigkill_of_the_run_stops_its_trainer_and_servers(tmp_path):
     out = tmp_path / "run"
     run = subprocess.Popen(
         [sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "quickstart.toml"),
-         "--set", f"run.output_dir='{out}'", "--set", "run.max_steps=200"],
+         "--set", f"run.output_dir='{out}'", "--set", "run.max_steps=200",
+         *[a for s in SERVERS for a in ("--set", s)]],  # the run's own server processes
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -15,8 +15,6 @@ from .conftest import LEDGER, quickstart_run, run_cli
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
          "experts_per_token": 2, "moe_intermediate_size": 32}
-LOCAL = 'use = "builtin"\nservers = 2\nmax_slots = 64'
-"""The quickstart's [inference] lines that pick the builtin servers."""
 
 
 @pytest.fixture
@@ -78,8 +76,8 @@ def test_broadcast_with_local_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_real_run_on_the_local_engine(tmp_path):
-    proc, out, rows = quickstart_run(tmp_path, "run.max_steps=8", "sft.steps=5",
-                                     replace={LOCAL: 'use = "local"\nmax_slots = 128'})
+    """The quickstart as it is: its [inference] is the local engine."""
+    proc, out, rows = quickstart_run(tmp_path, "run.max_steps=8", "sft.steps=5")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in rows] == list(range(1, 9))
     for row in rows:

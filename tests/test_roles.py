@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .conftest import LEDGER, ROOT
+from .conftest import LEDGER, QUICKSTART_LOCAL, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def role_config(tmp_path, steps: int = 2):
     text = (ROOT / "examples" / "quickstart.toml").read_text()
     for old, new in {'output_dir = "runs/quickstart"': f'output_dir = "{tmp_path / "run"}"',
                      "max_steps = 200": f"max_steps = {steps}", "[sft]\nsteps = 15": "[sft]\nsteps = 0",
-                     "servers = 2": "servers = 1"}.items():
+                     QUICKSTART_LOCAL: '[inference]\nuse = "builtin"\nservers = 1\n'}.items():
         assert old in text
         text = text.replace(old, new)
     path = tmp_path / "plugins.toml"
@@ -71,3 +71,17 @@ def test_roles_refuse_the_broadcast_weight_sync_in_one_line(tmp_path):
         assert result.returncode == 1 and result.stderr.splitlines() == [
             "error: weight_sync 'broadcast' works only under `i3core run`; roles on separate machines need "
             '[weight_sync] use = "filesystem"'], result.stderr
+
+
+def test_roles_refuse_the_in_process_engine_in_one_line(tmp_path):
+    """The quickstart as it is: its ``local`` engine lives in ``i3core run``'s orchestrator, not in roles."""
+    config = tmp_path / "quickstart.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text())
+    expected = {
+        "inference": "error: inference 'local' does not start server processes; it has no inference role",
+        "orchestrator": "error: inference 'local' runs no servers for the orchestrator role to drive; roles on "
+                        'separate machines need [inference] use = "builtin" or "vllm"'}
+    for role in (["inference", str(config)], ["orchestrator", str(config), "--servers", "http://127.0.0.1:1"]):
+        result = subprocess.run([sys.executable, "-m", "i3core.cli", *role], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 1 and result.stderr.splitlines() == [expected[role[0]]], result.stderr

@@ -223,6 +223,21 @@ def test_a_verifiers_id_that_is_not_installed_is_one_clear_line():
         "got 'no_such_taskset_here'"]
 
 
+def test_verifiers_on_the_in_process_engine_is_refused_in_one_line(tmp_path):
+    """examples/verifiers.toml with the quickstart's ``local`` engine: verifiers' harness has no URL to call."""
+    config = tmp_path / "local.toml"
+    text = (ROOT / "examples" / "verifiers.toml").read_text()
+    config.write_text(text[:text.index("\n[inference]")] + '\n[inference]\nuse = "local"\n\n' + text[text.index("\n[env]"):])
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples" / "i3-verifiers-example")}
+    result = subprocess.run([sys.executable, "-m", "i3core.cli", "check", str(config)], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error")] == [
+        'error: inference.use: env verifiers calls the model over HTTP: use "builtin" (servers = N) or "vllm", '
+        'not "local"']
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.slow
 def test_a_verifiers_environment_package_trains_two_steps(offline_uv, tmp_path):
     """examples/i3-verifiers-example, importable as an installed package is, trained by ``i3core run`` with

@@ -20,7 +20,8 @@ from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.broadcast import Sender
 from i3core.testing import make_component
 
-from .conftest import QUICKSTART_FILESYSTEM_SYNC, abs_logprob_diffs, quickstart_run, wait_until_running
+from .conftest import (QUICKSTART_FILESYSTEM_SYNC, QUICKSTART_LOCAL, abs_logprob_diffs, quickstart_run,
+                       wait_until_running)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -171,7 +172,8 @@ def test_bad_updates_are_refused_and_the_engine_keeps_serving(served):
 def test_a_run_on_vllm_with_the_broadcast_sync(served, tmp_path):
     proc, _, rows = quickstart_run(tmp_path, "run.max_steps=3", "sft.steps=5", timeout=900, replace={
         QUICKSTART_FILESYSTEM_SYNC: 'use = "broadcast"',
-        'use = "builtin"\nservers = 2': f'use = "vllm"\nservers = 1\npython = {json.dumps(PYTHON)}'})
+        QUICKSTART_LOCAL: f'[inference]\nuse = "vllm"\nservers = 1\npython = {json.dumps(PYTHON)}\n',
+        "max_slots = 128": "max_slots = 64"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["weights/served_version"] == 3
     # The trainer's logprobs of version-0 tokens are vLLM's: the same numbers on both sides.

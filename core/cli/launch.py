@@ -80,6 +80,10 @@ def launch_files(config: RunConfig, config_path: Path, target: str, sizes: Sizes
 
 def _unlaunchable(config: RunConfig) -> list[str]:
     problems = [f"no [{s}] section" for s in ("model", "inference", "env") if config.get(s) is None]
+    inference = config.get("inference")
+    if inference is not None and not hasattr(inference.component.cls, "command"):
+        problems.append(f'inference {inference.name!r} starts no servers to put on nodes (it runs inside the '
+                        'orchestrator): set [inference] use = "builtin" or "vllm", with servers = N')
     sync = config.get("weight_sync")
     if sync is not None and sync.name != "filesystem":
         problems.append(f'weight_sync {sync.name!r} works only under `i3core run` (use "filesystem")')

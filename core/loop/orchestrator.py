@@ -162,8 +162,11 @@ class Orchestrator:
     ledger: Ledger = field(default_factory=Ledger)
     resume: OrchestratorState | None = None
     """The state saved with the checkpoint a resumed run continues from (:mod:`i3core.loop.checkpoint`)."""
+    model: Any = None
+    """The ``[model]`` component: batches are packed as prefix trees if it trains them (``prefix_trees``)."""
 
     def __post_init__(self):
+        self.share_prompts = bool(self.config.trainer.share_prompts and getattr(self.model, "prefix_trees", False))
         self.paths = RunPaths(self.config.run.out)
         self.max_steps = self.config.run.max_steps
         self.served_version = 0
@@ -415,7 +418,7 @@ class Orchestrator:
         rollouts = [r for g in groups for r in g.rollouts]
         for group in groups:
             assign_advantages(group.rollouts)
-        batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len)
+        batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len, self.share_prompts)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
         self.ledger.trained += len(rollouts)
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)

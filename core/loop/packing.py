@@ -8,7 +8,9 @@ turn_rewards[t:]`` (undiscounted), minus the mean ``G_t`` of the group's
 rollouts that reached turn ``t``; a one-turn rollout gets the episode advantage.
 Packing places whole samples into rows
 of ``seq_len`` tokens, longest first, never truncating; positions restart at
-0 for each sample so packed samples never attend to each other.
+0 for each sample so packed samples never attend to each other; with
+``share_prompts`` the completions of one prompt share one copy of it (prefix
+trees, :mod:`i3core.packed`).
 """
 
 from dataclasses import dataclass
@@ -87,25 +89,57 @@ def sample_from_rollout(rollout: Rollout) -> Sample:
     )
 
 
-def pack(samples: list[Sample], seq_len: int) -> TrainBatch:
+def prompt_trees(samples: list[Sample], seq_len: int) -> list[tuple[int, list[int]]]:
+    """The samples as prefix trees ``(shared, members)``: the samples of one prompt (the same tokens before their
+    first loss token; ``shared`` of them) share one copy of it, as many to a tree as fit ``seq_len`` tokens."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for index, sample in enumerate(samples):
+        first = next((t for t, loss in enumerate(sample.loss_mask) if loss), len(sample.loss_mask))
+        by_prompt.setdefault(tuple(sample.token_ids[:first]), []).append(index)
+    trees = []
+    for prompt, members in by_prompt.items():
+        shared, tree, size = len(prompt), [], len(prompt)
+        for index in members:
+            extra = len(samples[index].token_ids) - shared
+            if tree and size + extra > seq_len:
+                trees.append((shared, tree))
+                tree, size = [], shared
+            tree.append(index)
+            size += extra
+        trees.append((shared, tree))
+    return trees
+
+
+def pack(samples: list[Sample], seq_len: int, share_prompts: bool = False) -> TrainBatch:
     """First-fit-decreasing packing of whole samples into rows of ``seq_len`` tokens.
+
+    ``share_prompts``: the samples of one prompt are packed as prefix trees (:func:`prompt_trees`, the layout of
+    :mod:`i3core.packed`): the prompt once, the first completion after it, every other completion after that
+    with its positions continuing from the prompt's. A group of 8 short completions of one prompt then costs the
+    trainer one prompt instead of 8; the logprobs are the same numbers.
 
     :raises I3Error: a sample longer than ``seq_len`` (never truncated).
     """
     too_long = [len(s.token_ids) for s in samples if len(s.token_ids) > seq_len]
     if too_long:
         raise I3Error(f"a sample of {max(too_long)} tokens does not fit trainer.seq_len = {seq_len}")
-    rows: list[list[int]] = []
+    units = prompt_trees(samples, seq_len) if share_prompts else [(0, [i]) for i in range(len(samples))]
+
+    def length(unit: tuple[int, list[int]]) -> int:
+        shared, members = unit
+        return shared + sum(len(samples[i].token_ids) - shared for i in members)
+
+    rows: list[list[tuple[int, list[int]]]] = []
     free: list[int] = []
-    for index in sorted(range(len(samples)), key=lambda i: -len(samples[i].token_ids)):
-        n = len(samples[index].token_ids)
+    for unit in sorted(units, key=lambda u: -length(u)):
+        n = length(unit)
         for r, space in enumerate(free):
             if space >= n:
-                rows[r].append(index)
+                rows[r].append(unit)
                 free[r] -= n
                 break
         else:
-            rows.append([index])
+            rows.append([unit])
             free.append(seq_len - n)
     shape = (len(rows), seq_len)
     input_ids = torch.full(shape, PAD_ID, dtype=torch.long)
@@ -115,20 +149,23 @@ def pack(samples: list[Sample], seq_len: int) -> TrainBatch:
     inference_logprobs = torch.zeros(shape)
     sequence_ids = torch.full(shape, len(samples), dtype=torch.long)  # padding: one extra, empty sample
     versions = torch.full(shape, -1, dtype=torch.long)
-    for r, members in enumerate(rows):
+    for r, units_in_row in enumerate(rows):
         at = 0
-        for index in members:
-            s = samples[index]
-            n = len(s.token_ids)
-            span = slice(at, at + n)
-            input_ids[r, span] = torch.tensor(s.token_ids)
-            position_ids[r, span] = torch.arange(n)
-            loss_mask[r, span] = torch.tensor(s.loss_mask)
-            advantages[r, span] = s.advantage if s.token_advantages is None else torch.tensor(s.token_advantages)
-            inference_logprobs[r, span] = torch.tensor(s.inference_logprobs)
-            sequence_ids[r, span] = index
-            versions[r, span] = torch.tensor(s.versions)
-            at += n
+        for shared, members in units_in_row:
+            for k, index in enumerate(members):
+                s = samples[index]
+                skip = 0 if k == 0 else shared  # the first member carries the shared prompt, the others follow it
+                n = len(s.token_ids) - skip
+                span = slice(at, at + n)
+                input_ids[r, span] = torch.tensor(s.token_ids[skip:], dtype=torch.long)
+                position_ids[r, span] = torch.arange(skip, skip + n)
+                loss_mask[r, span] = torch.tensor(s.loss_mask[skip:], dtype=torch.bool)
+                advantages[r, span] = (s.advantage if s.token_advantages is None
+                                       else torch.tensor(s.token_advantages[skip:], dtype=torch.float32))
+                inference_logprobs[r, span] = torch.tensor(s.inference_logprobs[skip:], dtype=torch.float32)
+                sequence_ids[r, span] = index
+                versions[r, span] = torch.tensor(s.versions[skip:], dtype=torch.long)
+                at += n
         position_ids[r, at:] = torch.arange(seq_len - at)
     return TrainBatch(input_ids, position_ids, loss_mask, advantages, inference_logprobs, sequence_ids, versions,
                       num_samples=len(samples))

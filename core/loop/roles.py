@@ -89,6 +89,10 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
     if missing:
         raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
     _filesystem_sync(config)
+    spec = config.get("inference")
+    if not hasattr(spec.component.cls, "command"):
+        raise I3Error(f"inference {spec.name!r} runs no servers for the orchestrator role to drive; roles on "
+                      'separate machines need [inference] use = "builtin" or "vllm"')
     run = build(config, plugins)
     paths = RunPaths(run.output_dir)
     paths.make()
@@ -106,7 +110,7 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
         stop_ids = stop_token_ids(model, env)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
-                                    sandbox_backend=run.components.get("sandbox"))
+                                    sandbox_backend=run.components.get("sandbox"), model=model)
 
         async def drive():
             try:

@@ -264,7 +264,7 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     run.sinks, progress=_progress(config.run.max_steps, version),
-                                    sandbox_backend=sandbox, resume=start)
+                                    sandbox_backend=sandbox, resume=start, model=model)
         asyncio.run(_orchestrate(orchestrator, trainer, clients))
     finally:
         paths.request_stop()

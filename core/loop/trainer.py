@@ -34,6 +34,7 @@ from i3core.config import RunConfig, load_config, with_defaults
 from i3core.errors import I3Error
 from i3core.files import atomic_write_bytes, disk_full, write_torch
 from i3core.lifetime import run_gone
+from i3core.packed import predecessors
 from i3core.loop.checkpoint import full_disk_message
 from i3core.loop.packing import Sample, pack
 from i3core.loop.paths import RunPaths
@@ -47,19 +48,20 @@ microseconds of CPU a look)."""
 
 def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0,
                    where: torch.Tensor | None = None) -> torch.Tensor:
-    """``[R, S]`` log p(input_ids[:, t] | tokens before t) under ``model``; column 0 is 0.
+    """``[R, S]`` log p(input_ids[:, t] | the tokens it sees) under ``model``; 0 at a sample's first token.
 
-    ``where`` ``[R, S]`` (bool): the only tokens whose logprob is wanted (the loss tokens); the LM head and the
-    log-softmax run on those alone and every other entry is 0 (None: every token). The log-softmax over the
-    vocabulary runs ``chunk`` tokens at a time and is recomputed in backward, so at most ``[chunk, V]`` float32
-    logits are alive.
+    A token is predicted by the hidden state of the token before it, or in a prefix tree by its prompt's last
+    token for a branch's first (:func:`i3core.packed.predecessors`). ``where`` ``[R, S]`` (bool): the only tokens
+    whose logprob is wanted (the loss tokens); the LM head and the log-softmax run on those alone and every other
+    entry is 0 (None: every token). The log-softmax over the vocabulary runs ``chunk`` tokens at a time and is
+    recomputed in backward, so at most ``[chunk, V]`` float32 logits are alive.
     """
-    hidden = model(input_ids, position_ids)[:, :-1]
-    rows, cols, width = hidden.shape
-    targets = input_ids[:, 1:]
-    wanted = None if where is None else where[:, 1:]
-    flat_hidden = hidden.reshape(-1, width) if wanted is None else hidden[wanted]
-    flat_targets = targets.reshape(-1) if wanted is None else targets[wanted]
+    hidden = model(input_ids, position_ids)
+    source = predecessors(position_ids.to(hidden.device))
+    wanted = source >= 0 if where is None else where.to(source.device) & (source >= 0)
+    rows, cols = wanted.nonzero(as_tuple=True)
+    flat_hidden = hidden[rows, source[rows, cols]]
+    flat_targets = input_ids[rows, cols]
 
     def chunk_logprobs(h, targets):
         logits = model.logits(h).float() / temperature
@@ -70,11 +72,7 @@ def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: floa
         for h, t in zip(flat_hidden.split(chunk), flat_targets.split(chunk))
     ]
     picked = torch.cat(pieces)  # an empty selection still gives one (empty) chunk: the head stays in the graph
-    if wanted is None:
-        logprobs = picked.reshape(rows, cols)
-    else:
-        logprobs = picked.new_zeros(rows, cols).masked_scatter(wanted, picked)
-    return torch.cat([logprobs.new_zeros(rows, 1), logprobs], dim=1)
+    return picked.new_zeros(wanted.shape).masked_scatter(wanted, picked)
 
 
 def _whole_sample_at(versions: torch.Tensor, sequence_ids: torch.Tensor, mask: torch.Tensor, version: int):

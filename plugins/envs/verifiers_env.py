@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from i3core.errors import I3Error, RolloutMasked
+from i3core.errors import I3Error, Problem, RolloutMasked
 from i3core.plugins.envs.base import ENV_TOKEN_VERSION
 from i3core.types import Example, Rollout
 
@@ -67,6 +67,15 @@ class VerifiersEnv:
     Config = VerifiersConfig
     requires_sandbox = False
     stop_text = "\n"
+
+    @staticmethod
+    def check_config(config: VerifiersConfig, run) -> list[Problem]:
+        """verifiers' harness calls the model over HTTP: the rollouts need servers, not the in-process engine."""
+        inference = run.get("inference")
+        if inference is not None and inference.name == "local":
+            return [Problem("inference.use", 'env verifiers calls the model over HTTP: use "builtin" (servers = N) '
+                                             'or "vllm", not "local"')]
+        return []
 
     def __init__(self, config: VerifiersConfig):
         import verifiers.v1 as vf

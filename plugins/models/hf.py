@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 
 from i3core.errors import I3Error
+from i3core.packed import attention_mask, has_branches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 END_OF_TURN_PROBE = "\x00i3core-reply\x00"
@@ -158,10 +159,17 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[R, S, H]`` after the final norm of packed rows; a sample starts where its positions
-        restart (transformers' packed-sequence mask keeps samples apart). No ``position_ids``: one sample a row."""
+        restart (transformers' packed-sequence mask keeps samples apart). Rows with prefix trees (completions
+        sharing their prompt, :mod:`i3core.packed`) get that layout's mask instead: transformers' would cut each
+        branch off its prompt. No ``position_ids``: one sample a row."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        return self.base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        mask = None
+        if has_branches(position_ids):
+            distance = position_ids[:, None, :, None] - position_ids[:, None, None, :]
+            mask = self._masks(attention_mask(position_ids), distance, input_ids.device)
+        return self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                         use_cache=False).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head ``[..., H]`` -> ``[..., V]``, with the architecture's logit scale or soft cap if it has one."""
@@ -184,14 +192,20 @@ class HFCausalLM(nn.Module):
         step.slots, step.positions, step.length = slots, positions, int(positions.max()) + 1
         kv = torch.arange(step.length, device=positions.device)
         seen = kv[None, None, :] <= positions[:, :, None]  # [B, S, L]: its own slot, up to its own position
-        if self._window is not None:
-            windowed = seen & (kv[None, None, :] > positions[:, :, None] - self.config.sliding_window)
-        mask: Any = self._mask((windowed if self._window == "all" else seen)[:, None], input_ids.device)
-        if self._window == "layers":
-            mask = {"full_attention": mask, "sliding_attention": self._mask(windowed[:, None], input_ids.device)}
+        mask = self._masks(seen[:, None], positions[:, None, :, None] - kv, input_ids.device)
         out = self.base(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                         **{self._cache_kwarg: cache}, use_cache=True)
         return out.last_hidden_state
+
+    def _masks(self, allowed: torch.Tensor, distance: torch.Tensor, device) -> Any:
+        """The mask(s) the layers take for ``allowed`` ``[B, 1, S, L]``, ``distance`` the query's position minus the
+        key's: with the sliding window on every layer, or one mask per layer type, where the architecture has one."""
+        if self._window is None:
+            return self._mask(allowed, device)
+        windowed = allowed & (distance < self.config.sliding_window)
+        if self._window == "all":
+            return self._mask(windowed, device)
+        return {"full_attention": self._mask(allowed, device), "sliding_attention": self._mask(windowed, device)}
 
     def _mask(self, allowed: torch.Tensor, device) -> torch.Tensor:
         """``allowed`` ``[B, 1, S, L]`` as the attention implementation takes it (bool, or additive for eager)."""
@@ -306,6 +320,9 @@ class ChatTokenizer:
 
 class HF:
     """A transformers causal LM from a local directory; meets :class:`i3core.protocols.Model`."""
+
+    prefix_trees = True
+    """Its training forward masks prefix trees (i3core.packed): one prompt's completions share it."""
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -21,6 +21,9 @@ class TinyMoE:
     """Builds :class:`TinyMoEModel` and converts it to and from the HF Qwen3-MoE layout; meets
     :class:`i3core.protocols.Model` (its chat template is ChatML)."""
 
+    prefix_trees = True
+    """Its training forward masks prefix trees (i3core.packed): one prompt's completions share it."""
+
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
 

@@ -8,7 +8,8 @@ attention and MLP, RMSNorm on each head of q and k (qk-norm), rotary position
 embeddings, grouped-query attention, and a softmax top-k router over experts
 whose top-k weights are renormalised (``norm_topk_prob``). Packed rows hold
 several samples; attention never crosses a sample, whose start is where its
-``position_ids`` restart at 0.
+``position_ids`` restart at 0, and a sample may be a prefix tree (completions sharing
+one copy of their prompt): :mod:`i3core.packed` reads the layout.
 """
 
 import math
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from i3core.packed import attention_mask
 
 
 class RMSNorm(nn.Module):
@@ -49,15 +52,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """``x`` ``[B, heads, S, D]``; ``cos``/``sin`` ``[B, S, D]``."""
     cos, sin = cos[:, None], sin[:, None]
     return x * cos + _rotate_half(x) * sin
-
-
-def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, S, S]`` bool: token i sees token j iff j <= i and both are in the same sample."""
-    sample = (position_ids == 0).cumsum(-1)
-    same = sample[:, :, None] == sample[:, None, :]
-    seq = position_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
-    return (same & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -279,7 +273,7 @@ class TinyMoEModel(nn.Module):
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)
         cos, sin = rotary(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        mask = packed_causal_mask(position_ids)
+        mask = attention_mask(position_ids)  # packed samples apart, prefix trees shared (i3core.packed)
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Keep only each block's input; recompute its inside in backward (deterministic: same numbers).
