@@ -197,7 +197,12 @@ class CausalLM(Protocol):
         """The LM head: ``[..., H]`` -> ``[..., V]``."""
 
     def new_kv_cache(self, slots: int, max_len: int) -> Any:
-        """An empty KV cache for :meth:`forward_cached`: ``slots`` sequences of up to ``max_len`` tokens each."""
+        """An empty KV cache for :meth:`forward_cached`: ``slots`` sequences of up to ``max_len`` tokens each.
+
+        Optional: a cache with ``copy_slots(source [B], target [B], length)`` (entries ``0..length-1`` of slots
+        ``source`` copied into slots ``target``) lets the builtin engine prefill a prompt once for all the
+        sequences that share it (a group's completions); without it each is prefilled.
+        """
 
     def forward_cached(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Any,
                        slots: torch.Tensor) -> torch.Tensor:

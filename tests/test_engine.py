@@ -144,7 +144,8 @@ def test_n_sequences_of_one_prompt_share_one_prefill_and_draw_apart(builtins):
     seqs = [engine.add(Request([5, 6, 7, 8], max_tokens=6, seed=i)) for i in range(4)]
     engine.add(Request([1, 2], max_tokens=6, seed=9))
     run_all(engine)
-    assert calls[:3] == [(4, 4), (1, 2), (5, 1)]  # one prefill per prompt length, then one decode of all five
+    # the shared prompt computed once (its cache entries copied to the other 3 slots), then one decode of all five
+    assert calls[:3] == [(1, 4), (1, 2), (5, 1)]
     assert len({tuple(s.token_ids) for s in seqs}) > 1
     for seq in seqs:
         ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)

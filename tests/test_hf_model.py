@@ -169,9 +169,11 @@ def test_cached_decode_keeps_the_sliding_window(tmp_path, architecture, window):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_the_builtin_engine_samples_with_the_logprobs_of_the_trainer(made, architecture):
     model = component(made(architecture)).build()
-    engine = Engine(model, max_slots=4, max_len=64)
+    engine = Engine(model, max_slots=6, max_len=64)
     seqs = [engine.add(Request(prompt_ids=[5 + i, 6, 7, 8 + i][: 2 + i], max_tokens=6 + i, seed=i))
             for i in range(3)]
+    seqs += [engine.add(Request(prompt_ids=[9, 6, 7, 3], max_tokens=7, seed=10 + i))  # one prompt, its cache copied
+             for i in range(3)]
     while engine.has_work():
         engine.step()
     for seq in seqs:

@@ -8,6 +8,7 @@ import torch
 from i3core.plugins.models.tiny_moe import hf
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, build_tokenizer, token_id
 from i3core.testing import make_component
+from i3core.weights import read_hf_tensors
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
          "experts_per_token": 2, "moe_intermediate_size": 32}
@@ -97,6 +98,10 @@ def test_load_hf_roundtrips_exactly(component, tmp_path):
     again = component.load_hf(tmp_path)
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
+    # what the engine swaps in for a version, built without a model: the same names and numbers
+    staged = again.state_dict_from_hf(read_hf_tensors(tmp_path))
+    assert sorted(staged) == sorted(model.state_dict())
+    assert all(torch.equal(staged[name], value) for name, value in model.state_dict().items())
 
 
 def test_load_hf_rejects_wrong_weights_before_copying(component, tmp_path):

@@ -2,8 +2,9 @@
 
 Scheduling: requests wait in a FIFO queue; before every decode step, waiting
 requests take free cache slots (up to ``max_slots``) and are prefilled, those
-of one prompt length together in one forward (the ``n`` choices of a request,
-a group's prompts); then one decode step runs every running sequence together.
+of one prompt length together in one forward, a prompt several of them share
+(the ``n`` choices of a request, a group's completions) once; then one decode
+step runs every running sequence together.
 A finished sequence frees its slot at once, so a new request joins on the next
 step. Sampling is batched: one set of tensor ops per group of sequences with
 the same settings (:func:`sample`), a per-row draw only for seeded requests.
@@ -178,10 +179,8 @@ class Engine(EngineBase):
             seq.slot = self._free.pop(self._free.index(min(self._free)))  # the lowest: live slots stay packed
             admitted.setdefault(len(seq.request.prompt_ids), []).append(seq)
         for length, seqs in admitted.items():  # prompts of one length: one forward
-            prompts = torch.tensor([seq.request.prompt_ids for seq in seqs])
-            positions = torch.arange(length).expand(len(seqs), length)
-            hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in seqs]))
-            self._sample(seqs, hidden[:, -1])
+            seqs, hidden = self._prefill(length, seqs)
+            self._sample(seqs, hidden)
             for seq in seqs:
                 if self._maybe_finish(seq):
                     finished.append(seq)
@@ -200,6 +199,30 @@ class Engine(EngineBase):
                     del self.running[seq.id]
         self.steps += 1
         return finished
+
+    def _prefill(self, length: int, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """Prefill ``seqs`` (prompts of ``length`` tokens) in one forward; ``(seqs, hidden [B, H])`` of each one's
+        last prompt token, in a new order. A prompt several of them share (a group's completions) is computed
+        once and its cache entries copied to the others' slots, where the cache can (``copy_slots``)."""
+        first: dict[tuple[int, ...], Sequence] = {}
+        copies: list[tuple[Sequence, Sequence]] = []
+        share = callable(getattr(self.cache, "copy_slots", None))
+        for seq in seqs:
+            source = first.setdefault(tuple(seq.request.prompt_ids), seq) if share else seq
+            if source is not seq:
+                copies.append((seq, source))
+        unique = list(first.values()) if share else seqs
+        prompts = torch.tensor([seq.request.prompt_ids for seq in unique])
+        positions = torch.arange(length).expand(len(unique), length)
+        hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in unique]))
+        hidden = hidden[:, -1]
+        if not copies:
+            return unique, hidden
+        self.cache.copy_slots(torch.tensor([source.slot for _, source in copies]),
+                              torch.tensor([seq.slot for seq, _ in copies]), length)
+        row = {id(seq): i for i, seq in enumerate(unique)}
+        hidden = torch.cat([hidden, hidden[torch.tensor([row[id(source)] for _, source in copies])]])
+        return unique + [seq for seq, _ in copies], hidden
 
     def stage(self, path: Path) -> dict[str, torch.Tensor]:
         """Load the safetensors of the HF directory ``path`` into a state of this model: every name and shape is

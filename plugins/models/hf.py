@@ -110,6 +110,13 @@ def _cache_classes():
             super().__init__(layers=[SlotLayer(self.step, slots, max_len) for _ in range(num_layers)])
             self.slots, self.max_len = slots, max_len
 
+        def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
+            """Entries ``0..length-1`` of slots ``source`` ``[B]`` into slots ``target`` ``[B]`` (a shared prompt)."""
+            for layer in self.layers:
+                if layer.is_initialized:
+                    for cache in (layer.keys, layer.values):
+                        cache[target, :, :length] = cache[source, :, :length]
+
     return SlotLayer, SlotCache
 
 

@@ -147,32 +147,67 @@ def load_hf_tensors(model: TinyMoEModel, tensors: dict[str, torch.Tensor]) -> No
 
     :raises ValueError: a missing, unexpected or wrongly shaped tensor, before anything is copied.
     """
-    tensors = per_expert(tensors)
-    expected = {name: t.shape for name, t in iter_hf_tensors(model)}
+    model.load_state_dict(hf_state_dict(model, tensors))
+
+
+def hf_shapes(model: TinyMoEModel) -> dict[str, tuple[int, ...]]:
+    """The HF-layout name and shape of every weight of ``model`` (read from its parameters: nothing is gathered)."""
+    inter, hidden = model.cfg.moe_intermediate_size, model.cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": tuple(model.embed.weight.shape)}
+    for i, block in enumerate(model.blocks):
+        prefix = f"model.layers.{i}"
+        shapes[f"{prefix}.input_layernorm.weight"] = tuple(block.input_norm.weight.shape)
+        for name in _ATTN:
+            shapes[f"{prefix}.self_attn.{name}.weight"] = tuple(getattr(block.attn, name).weight.shape)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = tuple(block.post_attn_norm.weight.shape)
+        shapes[f"{prefix}.mlp.gate.weight"] = tuple(block.moe.router.weight.shape)
+        for e in range(block.moe.experts):
+            expert = f"{prefix}.mlp.experts.{e}"
+            shapes[f"{expert}.gate_proj.weight"] = shapes[f"{expert}.up_proj.weight"] = (inter, hidden)
+            shapes[f"{expert}.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = tuple(model.norm.weight.shape)
+    if not model.cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = tuple(model.lm_head.weight.shape)
+    return shapes
+
+
+def _check(model: TinyMoEModel, tensors: dict[str, torch.Tensor]) -> None:
+    """:raises ValueError: a missing, unexpected or wrongly shaped tensor."""
+    expected = hf_shapes(model)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    wrong = sorted(n for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != tuple(expected[n]))
+    wrong = sorted(n for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != expected[n])
     if missing or unexpected or wrong:
         raise ValueError(
             f"HF weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
             f"wrong shape {wrong[:3]}"
         )
-    model.embed.weight.copy_(tensors["model.embed_tokens.weight"])
+
+
+def hf_state_dict(model: TinyMoEModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-layout ``tensors`` as a state dict of ``model``'s shape (experts stacked), built without a model: what
+    the builtin engine swaps in for each version. Checked as :func:`load_hf_tensors` checks.
+
+    :raises ValueError: a missing, unexpected or wrongly shaped tensor.
+    """
+    tensors = per_expert(tensors)
+    _check(model, tensors)
+    dtype = model.embed.weight.dtype
+    state = {"embed.weight": tensors["model.embed_tokens.weight"]}
     for i, block in enumerate(model.blocks):
-        prefix = f"model.layers.{i}"
-        block.input_norm.weight.copy_(tensors[f"{prefix}.input_layernorm.weight"])
-        for name in _ATTN:
-            getattr(block.attn, name).weight.copy_(tensors[f"{prefix}.self_attn.{name}.weight"])
-        block.post_attn_norm.weight.copy_(tensors[f"{prefix}.post_attention_layernorm.weight"])
-        block.moe.router.weight.copy_(tensors[f"{prefix}.mlp.gate.weight"])
-        for e in range(block.moe.experts):
-            expert = f"{prefix}.mlp.experts.{e}"
-            gate, up = tensors[f"{expert}.gate_proj.weight"], tensors[f"{expert}.up_proj.weight"]
-            block.moe.gate_up[e].copy_(torch.cat([gate.T, up.T], dim=1))
-            block.moe.down[e].copy_(tensors[f"{expert}.down_proj.weight"].T)
-    model.norm.weight.copy_(tensors["model.norm.weight"])
-    if not model.cfg.tie_word_embeddings:
-        model.lm_head.weight.copy_(tensors["lm_head.weight"])
+        prefix, name = f"model.layers.{i}", f"blocks.{i}"
+        state[f"{name}.input_norm.weight"] = tensors[f"{prefix}.input_layernorm.weight"]
+        for proj in _ATTN:
+            state[f"{name}.attn.{proj}.weight"] = tensors[f"{prefix}.self_attn.{proj}.weight"]
+        state[f"{name}.post_attn_norm.weight"] = tensors[f"{prefix}.post_attention_layernorm.weight"]
+        state[f"{name}.moe.router.weight"] = tensors[f"{prefix}.mlp.gate.weight"]
+        experts = [f"{prefix}.mlp.experts.{e}" for e in range(block.moe.experts)]
+        state[f"{name}.moe.gate_up"] = torch.stack([
+            torch.cat([tensors[f"{x}.gate_proj.weight"].T, tensors[f"{x}.up_proj.weight"].T], dim=1) for x in experts])
+        state[f"{name}.moe.down"] = torch.stack([tensors[f"{x}.down_proj.weight"].T for x in experts])
+    state["norm.weight"] = tensors["model.norm.weight"]
+    state["lm_head.weight"] = state["embed.weight"] if model.cfg.tie_word_embeddings else tensors["lm_head.weight"]
+    return {key: value.to(dtype).contiguous() for key, value in state.items()}
 
 
 def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

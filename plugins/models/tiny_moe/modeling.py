@@ -236,6 +236,11 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
         self.slots, self.max_len = slots, max_len
 
+    def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
+        """Entries ``0..length-1`` of slots ``source`` ``[B]`` into slots ``target`` ``[B]`` (a shared prompt)."""
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :length] = cache[source, :, :length]
+
 
 class TinyMoEModel(nn.Module):
     """Embedding, blocks, final norm and LM head; ``forward`` returns hidden states ``[B, S, H]``.
@@ -305,12 +310,10 @@ class TinyMoEModel(nn.Module):
         return KVCache(self.cfg, slots, max_len, dtype=next(self.parameters()).dtype)
 
     def state_dict_from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A fresh model of this shape loaded from HF-layout ``tensors`` (experts stacked), as a state dict.
+        """HF-layout ``tensors`` as a state dict of this model's shape (experts stacked), no model built.
 
         :raises ValueError: a missing, unexpected or wrongly shaped tensor.
         """
-        from i3core.plugins.models.tiny_moe.hf import load_hf_tensors  # hf builds on this module
+        from i3core.plugins.models.tiny_moe.hf import hf_state_dict  # hf builds on this module
 
-        staged = TinyMoEModel(self.cfg, self.vocab_size)
-        load_hf_tensors(staged, tensors)
-        return staged.state_dict()
+        return hf_state_dict(self, tensors)
