@@ -2,8 +2,8 @@
 
 For each scenario, i3core runs first (``i3core run examples/quickstart.toml`` with the
 scenario's overrides, SFT warm start included; by default with ``--inference local``, the
-quickstart's ``[inference]`` replaced by the engine in the orchestrator's process with as many
-slots as its servers had, ``--inference builtin`` keeps its two servers); its version 0 (the SFT output, an HF
+quickstart's own engine in the orchestrator's process; ``--inference builtin`` puts it in two server
+processes with the same slots in all); its version 0 (the SFT output, an HF
 directory that transformers loads as ``Qwen3MoeForCausalLM``) is then trained by TRL 1.16's
 ``GRPOTrainer`` in a process of its own. Both get the same prompts in the same order (the
 orchestrator's stream: the env's dataset shuffled by ``random.Random(run.seed)``), the same
@@ -14,7 +14,8 @@ divided by their std (``scale_rewards = "none"``) and a token-level loss normali
 (``loss_type = "dapo"``, as i3core's ``num_loss_tokens``). Each keeps its own default thread
 counts (reported); TRL runs without gradient checkpointing (its default recomputes activations,
 i3core's trainer keeps them: the faster TRL is the one compared). How they differ by design: i3core is asynchronous (up to ``max_async``
-steps off policy, IcePop-masked), TRL is synchronous and on policy.
+steps off policy, IcePop-masked), TRL is synchronous and on policy; i3core's trainer computes each prompt once
+per group (prefix trees, ``[trainer] share_prompts``), TRL's once per completion.
 
 Scenarios: ``short`` is the quickstart (completions of a few tokens); ``long_tail`` reverses
 strings of 8-24 letters with up to 256 new tokens after a 4-step warm start, so completion
@@ -32,7 +33,10 @@ Figures per scenario: ``i3core_steps_per_s`` / ``trl_steps_per_s`` (steps after 
 seconds to reach ``reward_level`` over i3core's; the level is the SFT level, the mean
 reward of both sides' first five steps, plus ``margin``; a moving mean over
 ``REWARD_WINDOW`` steps), ``reward_at_equal_time`` (each side's moving mean at the time
-the faster-finishing side ended), ``cpu_s``, ``peak_rss_mb``, ``threads``.
+the faster-finishing side ended), ``cpu_s``, ``peak_rss_mb``, ``threads``. Each scenario runs once per
+``--seeds`` value (both sides, the same seed: same SFT weights, prompts and order); ``time_to_reward_ratio`` is
+the median of the seeds' own ratios, the rest means over the seeds (see :func:`over_seeds`); each seed's own
+figures are kept under ``seeds``.
 
 The last line is JSON. TRL must be installed: ``pip install -c constraints.txt '.[bench]'``
 (see docs/benchmarks.md: pin torch and transformers to the installed versions).
@@ -121,23 +125,26 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
 # -- the two sides ----------------------------------------------------------------------
 
 
-LOCAL_ENGINE = 'use = "local"\nmax_slots = {slots}\nmax_len = {max_len}\n'
-"""The ``[inference]`` section of ``--inference local``: the engine in the orchestrator's process."""
+INFERENCE = {"local": 'use = "local"\nmax_slots = {slots}\nmax_len = {max_len}\n',
+             "builtin": 'use = "builtin"\nservers = 2\nmax_slots = {half}\nmax_len = {max_len}\n'}
+"""The ``[inference]`` sections of ``--inference``: the engine in the orchestrator's process (the quickstart's),
+or two builtin server processes with as many slots together."""
 
 
 def with_inference(config: Path, inference: str, out: Path) -> Path:
-    """``config`` as it is (``builtin``), or a copy of it whose ``[inference]`` section is the local engine
-    (same ``max_len``, as many slots as the servers had together); everything else is the config's."""
-    if inference == "builtin":
-        return config
+    """``config`` as it is if its ``[inference]`` is ``inference`` already, else a copy of it whose ``[inference]``
+    section is :data:`INFERENCE`'s (same ``max_len`` and slots in all); everything else is the config's."""
     import tomllib
 
     text = config.read_text()
     section = tomllib.loads(text)["inference"]
+    if section["use"] == inference:
+        return config
     slots = section.get("max_slots", 64) * section.get("servers", 1)
     start = text.index("[inference]")
     end = text.find("\n[", start + 1)
-    body = "[inference]\n" + LOCAL_ENGINE.format(slots=slots, max_len=section.get("max_len", 256))
+    body = "[inference]\n" + INFERENCE[inference].format(slots=slots, half=max(slots // 2, 1),
+                                                         max_len=section.get("max_len", 256))
     variant = out / config.name
     variant.write_text(text[:start] + body + (text[end:] if end >= 0 else ""))
     return variant
@@ -313,14 +320,60 @@ def compare(i3: dict, trl: dict, margin: float) -> dict:
     }
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def over_seeds(runs: list[dict]) -> dict:
+    """The scenario's figures over its seeds (one :func:`compare` each). Each seed is a pair run on the same SFT
+    weights and prompts, and learning per step is noisy (one seed reaches the level in 10 steps, the next in 40,
+    on either side), so ``time_to_reward_ratio`` is the median over the seeds of each pair's own ratio (a side
+    that never reaches the level: 0 or infinite); ``time_to_reward_ratio_of_medians`` is TRL's median seconds
+    over i3core's, which ignores the pairing. Speeds, CPU time and memory are means over the seeds; every seed's
+    own figures are under ``seeds``."""
+    def mean(values):
+        return round(sum(values) / len(values), 3)
+
+    def paired(run):
+        t_i3, t_trl = run["i3core_time_to_reward_s"], run["trl_time_to_reward_s"]
+        if t_i3 is None:
+            return 0.0 if t_trl is not None else None
+        return float("inf") if t_trl is None else t_trl / t_i3
+
+    def reached(side):
+        return median([r[f"{side}_time_to_reward_s"] or float("inf") for r in runs])
+
+    ratios = [r for r in map(paired, runs) if r is not None]  # None: neither side reached the level
+    t_i3, t_trl = reached("i3core"), reached("trl")
+    i3_sps, trl_sps = mean([r["i3core_steps_per_s"] for r in runs]), mean([r["trl_steps_per_s"] for r in runs])
+    finite = t_i3 != float("inf") and t_trl != float("inf")
+    return {
+        "seeds": runs,
+        "i3core_steps_per_s": i3_sps,
+        "trl_steps_per_s": trl_sps,
+        "steps_per_s_ratio": round(i3_sps / trl_sps, 3),
+        "time_to_reward_ratio": round(median(ratios), 3) if ratios and median(ratios) != float("inf") else None,
+        "time_to_reward_ratio_per_seed": [r["time_to_reward_ratio"] for r in runs],
+        "time_to_reward_ratio_of_medians": round(t_trl / t_i3, 3) if finite else None,
+        "i3core_time_to_reward_s": None if t_i3 == float("inf") else round(t_i3, 2),
+        "trl_time_to_reward_s": None if t_trl == float("inf") else round(t_trl, 2),
+        "steps_to_reward": {side: [r["steps_to_reward"][side] for r in runs] for side in ("i3core", "trl")},
+        **{key: {side: mean([r[key][side] for r in runs]) for side in ("i3core", "trl")}
+           for key in ("reward_at_equal_time", "reward_last5", "cpu_s", "peak_rss_mb")},
+        "threads": runs[0]["threads"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml", help="i3core run config")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--steps", type=int, default=None, help="RL steps per side (default: the scenario's)")
-    parser.add_argument("--seed", type=int, default=0, help="run.seed")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated run.seed values, each run by both sides")
     parser.add_argument("--inference", choices=("local", "builtin"), default="local",
-                        help="i3core's engine: in the orchestrator's process (local), or the config's own servers")
+                        help="i3core's engine: in the orchestrator's process (local, the quickstart's) or two servers")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="extra i3core override section.key=value (both scenarios)")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
@@ -328,20 +381,23 @@ def main() -> None:
     if args.trl_worker is not None:
         trl_worker(args.trl_worker)
         return
-    result = {"load_avg_start": os.getloadavg()[0], "seed": args.seed, "inference": args.inference}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    result = {"load_avg_start": os.getloadavg()[0], "seeds": seeds, "inference": args.inference}
     for name in args.scenarios.split(","):
         scenario = SCENARIOS[name]
         steps = args.steps or scenario["steps"]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            config = with_inference(args.config, args.inference, out)
-            i3 = run_i3core(config, out / "run", args.seed, steps, [*scenario["sets"], *args.sets])
-            sft = out / "sft"
-            shutil.copytree(out / "run" / "broadcasts" / "step_0", sft)
-            trl = run_trl(i3.pop("resolved"), sft, out, steps)
-        result[name] = compare(i3, trl, scenario["margin"])
-        result[name]["load_avg"] = os.getloadavg()[0]
-        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
+        runs = []
+        for seed in seeds:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp)
+                config = with_inference(args.config, args.inference, out)
+                i3 = run_i3core(config, out / "run", seed, steps, [*scenario["sets"], *args.sets])
+                sft = out / "sft"
+                shutil.copytree(out / "run" / "broadcasts" / "step_0", sft)
+                trl = run_trl(i3.pop("resolved"), sft, out, steps)
+            runs.append({"seed": seed, **compare(i3, trl, scenario["margin"]), "load_avg": os.getloadavg()[0]})
+            print(json.dumps({name: runs[-1]}), file=sys.stderr, flush=True)
+        result[name] = over_seeds(runs)
     print(json.dumps(result))
 
 
