@@ -50,16 +50,16 @@ def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
 def predecessors(position_ids: torch.Tensor) -> torch.Tensor:
     """``[R, S]`` long: the index in its row of the token whose hidden state predicts each token; -1 where
     nothing does (a sample's first token)."""
-    segment, start, sample = _segments(position_ids)
+    _, start, _ = _segments(position_ids)
     pos = position_ids
-    seq = pos.shape[-1]
-    index = torch.arange(seq, device=pos.device).expand_as(pos)
+    index = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
     before = torch.where(pos == 0, -1, index - 1)
-    branch = (start > 0) & (pos == start)  # a branch's first token: predicted by the trunk token one position back
+    branch = (start > 0) & (pos == start)
     if not branch.any():
         return before
-    parent = ((sample[:, :, None] == sample[:, None, :]) & (start[:, None, :] == 0)
-              & (pos[:, None, :] == pos[:, :, None] - 1))  # [R, i, j]: j is i's parent in the trunk
-    found = parent.any(-1)
-    parent_index = torch.where(found, parent.int().argmax(-1), torch.full_like(index, -1))
-    return torch.where(branch, parent_index, before)
+    # A branch's first token at position P is predicted by the trunk's token at position P - 1: the trunk starts
+    # its sample at position 0 and counts up, so that token stands P - 1 places after the sample's first.
+    first = torch.where(pos == 0, index, torch.zeros_like(index)).cummax(-1).values
+    parent = (first + pos - 1).clamp(0, pos.shape[-1] - 1)
+    found = (parent < index) & (pos.gather(-1, parent) == pos - 1) & (first.gather(-1, parent) == first)
+    return torch.where(branch, torch.where(found, parent, -1), before)

@@ -166,7 +166,7 @@ class Orchestrator:
     """The ``[model]`` component: batches are packed as prefix trees if it trains them (``prefix_trees``)."""
 
     def __post_init__(self):
-        self.share_prompts = bool(self.config.trainer.share_prompts and getattr(self.model, "prefix_trees", False))
+        self.share_prompts = bool(getattr(self.model, "prefix_trees", False) and self.config.trainer.share_prompts)
         self.paths = RunPaths(self.config.run.out)
         self.max_steps = self.config.run.max_steps
         self.served_version = 0
