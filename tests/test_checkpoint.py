@@ -1,6 +1,7 @@
 """Checkpoints and ``--resume``: the trainer killed with SIGKILL mid-run continues bit for bit, the files that make
 a checkpoint, and the orchestrator's prompt stream after a resume."""
 
+import contextlib
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -32,7 +34,10 @@ def weights(out):
 
 
 def kill_after_step(cmd, out, step, timeout=300):
-    """Start the trainer, SIGKILL its whole process group (torchrun and every rank) once ``step`` is trained."""
+    """Start the trainer, SIGKILL torchrun and every rank once ``step`` is trained, and wait until all are gone.
+
+    torchrun starts each rank in a session of its own, so killing torchrun's process group leaves the ranks
+    running: a fast rank then finishes the run (CI once saw it write the last checkpoint after the kill)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
@@ -41,8 +46,15 @@ def kill_after_step(cmd, out, step, timeout=300):
             assert time.monotonic() < deadline
             time.sleep(0.01)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.send_signal(signal.SIGKILL)
         proc.wait()
+        psutil.wait_procs(tree, timeout=30)
 
 
 @pytest.mark.slow
