@@ -346,6 +346,7 @@ def over_seeds(runs: list[dict]) -> dict:
         return median([r[f"{side}_time_to_reward_s"] or float("inf") for r in runs])
 
     ratios = [r for r in map(paired, runs) if r is not None]  # None: neither side reached the level
+    ratio = median(ratios) if ratios else float("inf")
     t_i3, t_trl = reached("i3core"), reached("trl")
     i3_sps, trl_sps = mean([r["i3core_steps_per_s"] for r in runs]), mean([r["trl_steps_per_s"] for r in runs])
     finite = t_i3 != float("inf") and t_trl != float("inf")
@@ -354,7 +355,7 @@ def over_seeds(runs: list[dict]) -> dict:
         "i3core_steps_per_s": i3_sps,
         "trl_steps_per_s": trl_sps,
         "steps_per_s_ratio": round(i3_sps / trl_sps, 3),
-        "time_to_reward_ratio": round(median(ratios), 3) if ratios and median(ratios) != float("inf") else None,
+        "time_to_reward_ratio": None if ratio == float("inf") else round(ratio, 3),
         "time_to_reward_ratio_per_seed": [r["time_to_reward_ratio"] for r in runs],
         "time_to_reward_ratio_of_medians": round(t_trl / t_i3, 3) if finite else None,
         "i3core_time_to_reward_s": None if t_i3 == float("inf") else round(t_i3, 2),

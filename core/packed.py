@@ -31,8 +31,7 @@ def _segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 def has_branches(position_ids: torch.Tensor) -> bool:
     """Whether any row holds a prefix tree (a run of positions that starts above 0)."""
-    pos = position_ids
-    return bool(((pos[:, 1:] != pos[:, :-1] + 1) & (pos[:, 1:] != 0)).any())
+    return bool((_segments(position_ids)[1] > 0).any())
 
 
 def attention_mask(position_ids: torch.Tensor) -> torch.Tensor:

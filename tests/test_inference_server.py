@@ -20,16 +20,23 @@ SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One builtin server (started by the rollout source) on a tiny-moe saved with save_hf."""
-    root = tmp_path_factory.mktemp("served")
+def two_versions(root):
+    """Versions ``root/v0`` and ``root/v1`` of a small tiny-moe (seeds 0 and 1) saved with save_hf and marked
+    STABLE; the model of v0."""
     component = make_component("model", "tiny-moe", **SMALL)
     model = component.build(seed=0)
     component.save_hf(model, root / "v0")
     component.save_hf(component.build(seed=1), root / "v1")
     for version in ("v0", "v1"):
         (root / version / STABLE).write_text("")
+    return model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One builtin server (started by the rollout source) on a tiny-moe saved with save_hf."""
+    root = tmp_path_factory.mktemp("served")
+    model = two_versions(root)
     source = make_component("rollout_source", "builtin", servers=1, max_slots=8, max_len=512)
     (url,) = source.start(root / "v0", root / "logs")
     yield url, model, root

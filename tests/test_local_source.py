@@ -9,23 +9,13 @@ from i3core.errors import ServerError
 from i3core.loop.trainer import token_logprobs
 from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.testing import make_component
-from i3core.weights import STABLE
 
 from .conftest import LEDGER, quickstart_run, run_cli
-
-SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
-         "experts_per_token": 2, "moe_intermediate_size": 32}
-
+from .test_inference_server import SMALL, two_versions
 
 @pytest.fixture
 def weights(tmp_path):
-    component = make_component("model", "tiny-moe", **SMALL)
-    model = component.build(seed=0)
-    component.save_hf(model, tmp_path / "v0")
-    component.save_hf(component.build(seed=1), tmp_path / "v1")
-    for version in ("v0", "v1"):
-        (tmp_path / version / STABLE).write_text("")
-    return tmp_path, model
+    return tmp_path, two_versions(tmp_path)
 
 
 def test_completions_logprobs_and_an_in_flight_update(weights):

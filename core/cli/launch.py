@@ -16,6 +16,7 @@ from pathlib import Path
 
 from i3core.config import RunConfig
 from i3core.errors import I3Error
+from i3core.loop.roles import starts_servers
 
 TARGETS = {"slurm": ("slurm", ".sbatch.tmpl"), "k8s": ("k8s", ".yaml.tmpl")}
 """Target -> (folder under deploy/, template suffix)."""
@@ -81,7 +82,7 @@ def launch_files(config: RunConfig, config_path: Path, target: str, sizes: Sizes
 def _unlaunchable(config: RunConfig) -> list[str]:
     problems = [f"no [{s}] section" for s in ("model", "inference", "env") if config.get(s) is None]
     inference = config.get("inference")
-    if inference is not None and not hasattr(inference.component.cls, "command"):
+    if inference is not None and not starts_servers(inference):
         problems.append(f'inference {inference.name!r} starts no servers to put on nodes (it runs inside the '
                         'orchestrator): set [inference] use = "builtin" or "vllm", with servers = N')
     sync = config.get("weight_sync")

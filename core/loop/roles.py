@@ -39,6 +39,12 @@ VERSION_0_TIMEOUT_S = 3600.0
 POLL_S = 1.0
 
 
+def starts_servers(inference) -> bool:
+    """Whether the ``[inference]`` component (its spec) runs server processes other machines reach (``builtin``,
+    ``vllm``), rather than an engine inside the orchestrator's process (``local``)."""
+    return hasattr(inference.component.cls, "command")
+
+
 def _filesystem_sync(config: RunConfig):
     sync = config.get("weight_sync").build()
     if sync.receiver(RunPaths(config.run.out).broadcasts) is not None:
@@ -62,9 +68,9 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
         raise I3Error("the inference role needs an [inference] section")
     if host is not None:
         spec.config = spec.config.model_copy(update={"host": host})
-    source = spec.build()
-    if not hasattr(source, "command"):
+    if not starts_servers(spec):
         raise I3Error(f"inference {spec.name!r} does not start server processes; it has no inference role")
+    source = spec.build()
     sync = _filesystem_sync(config)
     paths = RunPaths(config.run.out)
     log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
@@ -90,7 +96,7 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
         raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
     _filesystem_sync(config)
     spec = config.get("inference")
-    if not hasattr(spec.component.cls, "command"):
+    if not starts_servers(spec):
         raise I3Error(f"inference {spec.name!r} runs no servers for the orchestrator role to drive; roles on "
                       'separate machines need [inference] use = "builtin" or "vllm"')
     run = build(config, plugins)

@@ -204,24 +204,26 @@ class Engine(EngineBase):
         """Prefill ``seqs`` (prompts of ``length`` tokens) in one forward; ``(seqs, hidden [B, H])`` of each one's
         last prompt token, in a new order. A prompt several of them share (a group's completions) is computed
         once and its cache entries copied to the others' slots, where the cache can (``copy_slots``)."""
-        first: dict[tuple[int, ...], Sequence] = {}
-        copies: list[tuple[Sequence, Sequence]] = []
         share = callable(getattr(self.cache, "copy_slots", None))
+        unique: list[Sequence] = []
+        row: dict = {}  # a prompt (each sequence its own where the cache cannot copy) -> its row in ``unique``
+        copies: list[tuple[Sequence, int]] = []  # a sequence and the row of the prompt it shares
         for seq in seqs:
-            source = first.setdefault(tuple(seq.request.prompt_ids), seq) if share else seq
-            if source is not seq:
-                copies.append((seq, source))
-        unique = list(first.values()) if share else seqs
+            key = tuple(seq.request.prompt_ids) if share else id(seq)
+            if key in row:
+                copies.append((seq, row[key]))
+            else:
+                row[key] = len(unique)
+                unique.append(seq)
         prompts = torch.tensor([seq.request.prompt_ids for seq in unique])
         positions = torch.arange(length).expand(len(unique), length)
         hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in unique]))
         hidden = hidden[:, -1]
-        if not copies:
-            return unique, hidden
-        self.cache.copy_slots(torch.tensor([source.slot for _, source in copies]),
-                              torch.tensor([seq.slot for seq, _ in copies]), length)
-        row = {id(seq): i for i, seq in enumerate(unique)}
-        hidden = torch.cat([hidden, hidden[torch.tensor([row[id(source)] for _, source in copies])]])
+        if copies:
+            rows = torch.tensor([r for _, r in copies])
+            self.cache.copy_slots(torch.tensor([unique[r].slot for _, r in copies]),
+                                  torch.tensor([seq.slot for seq, _ in copies]), length)
+            hidden = torch.cat([hidden, hidden[rows]])
         return unique + [seq for seq, _ in copies], hidden
 
     def stage(self, path: Path) -> dict[str, torch.Tensor]:
