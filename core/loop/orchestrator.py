@@ -45,7 +45,7 @@ from typing import Any
 import structlog
 
 from i3core.loop.checkpoint import OrchestratorState
-from i3core.errors import I3Error, RolloutMasked, ServerError
+from i3core.errors import EngineFailed, I3Error, RolloutMasked, ServerError
 from i3core.loop.events import end_step, group_kept
 from i3core.files import atomic_torch_save
 from i3core.loop.packing import assign_advantages, pack, sample_from_rollout
@@ -299,6 +299,8 @@ class Orchestrator:
             requeue = task in self._requeue_on_cancel
             self._requeue_on_cancel.discard(task)
             error = None if task.cancelled() else task.exception()
+            if isinstance(error, EngineFailed):  # the in-process engine broke: nothing can generate any more
+                raise error
             if requeue or isinstance(error, ServerError):
                 if error is not None:
                     self._mark_down(job.slot, error)

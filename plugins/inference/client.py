@@ -6,7 +6,7 @@ completions come back as token ids with logprobs and per-token versions.
 
 import aiohttp
 
-from i3core.errors import ServerError
+from i3core.errors import SequenceFailed, ServerError
 from i3core.types import Completion
 
 REQUEST_TIMEOUT_S = 600.0
@@ -35,7 +35,10 @@ class InferenceClient:
             async with self._session.request(method, self.base_url + path, json=body) as response:
                 data = await response.json(content_type=None)
                 if response.status >= 400:
-                    message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                    error = data.get("error") if isinstance(data, dict) else None
+                    message = error.get("message", data) if isinstance(error, dict) else data
+                    if isinstance(error, dict) and error.get("code") == "sequence_failed":  # the server goes on
+                        raise SequenceFailed(f"{self.base_url}{path}: {response.status} {message}")
                     raise ServerError(f"{self.base_url}{path}: {response.status} {message}")
                 return data
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON

@@ -19,9 +19,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.engine import Request, Sequence
 from i3core.plugins.inference.protocol import (
     REQUEST_MODELS,
+    ShuttingDown,
+    error_response,
     TOOL_CALL_OPEN,
     ChatRequest,
     CompletionRequest,
@@ -115,6 +118,32 @@ class TextStream:
         return end
 
 
+async def together(coroutines) -> list:
+    """Await every coroutine (one a choice); the first failure cancels the others (their sequences are aborted)
+    and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def send_error(response: web.StreamResponse, exc: Exception) -> None:
+    """End a stream whose 200 is already sent with the error as an event (as vLLM does), then ``[DONE]``."""
+    _, body = error_response(exc)
+    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+def _check(seq: Sequence) -> None:
+    """:raises SequenceFailed: ``seq`` failed alone in the engine (answered 500; the server goes on)."""
+    if seq.finish_reason == "error":
+        raise SequenceFailed(f"generation failed: {seq.error}")
+
+
 class OpenAIRoutes:
     """The OpenAI and token-in routes of one :class:`~i3core.plugins.inference.server.Server`."""
 
@@ -157,22 +186,26 @@ class OpenAIRoutes:
         stream = TextStream(self.server.tokenizer, sampling, hold)
         if on_delta is None and not sampling.stop:
             seq = await self.server.generate(seq)
-            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq), seq.finish_reason)
+            _check(seq)
+            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq, len(seq.token_ids)),
+                             seq.finish_reason)
         sent_text, sent_tokens = 0, 0
-        async for seq in self.server.follow(seq):
-            count = len(seq.token_ids)  # the engine thread may append while we read: take a snapshot
+        async for count, finish_reason in self.server.follow(seq):
+            # ``count`` and ``finish_reason`` are what the step left; the engine thread may already be appending
+            if finish_reason == "error":
+                _check(seq)
             stop = stream.find_stop(seq.token_ids[:count])
             if stop is not None:
                 count, text = stop
                 output = Output.of(seq, count, text, "stop")
-            elif seq.finish_reason is not None:
-                output = Output.of(seq, count, self._final_text(stream, seq), seq.finish_reason)
+            elif finish_reason is not None:
+                output = Output.of(seq, count, self._final_text(stream, seq, count), finish_reason)
             else:
                 output = None
             if on_delta is not None:
-                if output is not None:
+                if output is not None:  # all of it, up to the first well-formed tool call
                     text, end = output.text, len(output.text)
-                    if hold is not None and hold in text:
+                    if hold is not None and split_tool_calls(text)[1]:
                         end = text.index(hold)
                 else:
                     text = stream.decode(seq.token_ids[:count])
@@ -185,9 +218,10 @@ class OpenAIRoutes:
         raise AssertionError("a followed sequence ended without finishing")  # follow() yields it finished last
 
     @staticmethod
-    def _final_text(stream: TextStream, seq: Sequence) -> str:
-        """The text of a finished sequence: its stop token (when it ended on one) left out."""
-        ids = seq.token_ids
+    def _final_text(stream: TextStream, seq: Sequence, count: int) -> str:
+        """The text of the first ``count`` tokens of a finished sequence: its stop token (when it ended on one)
+        left out."""
+        ids = seq.token_ids[:count]
         if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_token_ids:
             ids = ids[:-1]
         return stream.decode(ids)
@@ -204,7 +238,7 @@ class OpenAIRoutes:
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
             return await self._stream(http, seqs, sampling, prompt_ids, request_id, "text_completion", created)
-        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        outputs = await together(self._run(seq, sampling) for seq in seqs)
         server.requests_served += 1
         choices = [
             completion_choice(i, out.text, prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
@@ -243,7 +277,7 @@ class OpenAIRoutes:
         if sampling.stream:
             return await self._stream(http, seqs, sampling, prompt_ids, request_id, "chat.completion.chunk", created,
                                       hold)
-        outputs = await asyncio.gather(*(self._run(seq, sampling, hold) for seq in seqs))
+        outputs = await together(self._run(seq, sampling, hold) for seq in seqs)
         server.requests_served += 1
         choices = []
         for i, out in enumerate(outputs):
@@ -342,7 +376,11 @@ class OpenAIRoutes:
             await send([last])
             return out
 
-        outputs = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        try:
+            outputs = await together(one(i, seq) for i, seq in enumerate(seqs))
+        except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
+            await send_error(response, exc)
+            return response
         self.server.requests_served += 1
         if sampling.include_usage:
             await send([], usage=usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)))
@@ -371,7 +409,7 @@ class OpenAIRoutes:
         output_mode = request.output_mode
         sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, [server.model.eos_token_id])
         seqs = self._sequences(prompt_ids, sampling)
-        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        outputs = await together(self._run(seq, sampling) for seq in seqs)
         server.requests_served += 1
         request_id = request.request_id or uuid.uuid4().hex
         choices = []

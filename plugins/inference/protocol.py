@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from i3core.errors import EngineFailed, I3Error, SequenceFailed
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
@@ -63,6 +64,27 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` (``kind``: ``server_error`` for
     a 5xx)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ShuttingDown(I3Error):
+    """The server is shutting down (SIGTERM/SIGINT): answered 503."""
+
+
+def error_response(exc: Exception) -> tuple[int, dict]:
+    """The status and OpenAI-shaped body of an error a handler raised: a client's (400...), one sequence's
+    (500, ``code: "sequence_failed"``), the engine's or a shutdown (503), anything else (500)."""
+    if isinstance(exc, BadRequest):
+        return exc.status, error_body(str(exc), exc.param, exc.code)
+    if isinstance(exc, SequenceFailed):
+        return 500, error_body(str(exc), kind="server_error", code="sequence_failed")
+    if isinstance(exc, EngineFailed | ShuttingDown):
+        return 503, error_body(str(exc), kind="server_error")
+    return 500, error_body(f"internal error: {type(exc).__name__}: {first_line(exc)}", kind="server_error")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def parse_json_object(raw: bytes) -> dict:
