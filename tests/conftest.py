@@ -171,11 +171,15 @@ SERVED_MODEL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_head
 
 
 @contextlib.contextmanager
-def i3core_serve(directory: Path, name: str, max_len: int = 1024):
-    """``i3core serve DIR`` in a subprocess on a fresh :data:`SERVED_MODEL` saved to ``directory``, served as
-    ``name``; yields its base URL, stops it afterwards."""
+def i3core_serve(directory: Path, name: str, max_len: int = 1024, prepare=None):
+    """``i3core serve DIR`` in a subprocess on a fresh :data:`SERVED_MODEL` saved to ``directory`` (after
+    ``prepare(module)`` sets its weights, when given), served as ``name``; yields its base URL, stops it
+    afterwards."""
     model = make_component("model", "tiny-moe", **SERVED_MODEL)
-    model.save_hf(model.build(seed=0), directory)
+    module = model.build(seed=0)
+    if prepare is not None:
+        prepare(module)
+    model.save_hf(module, directory)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
