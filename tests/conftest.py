@@ -177,14 +177,17 @@ the project's own clients send it)."""
 
 
 @contextlib.contextmanager
-def i3core_serve(directory: Path, name: str, max_len: int = 1024, args: tuple[str, ...] = ()):
+def i3core_serve(directory: Path, name: str, max_len: int = 1024, prepare=None, args: tuple[str, ...] = ()):
     """``i3core serve DIR --enable-admin`` (admin token :data:`ADMIN_TOKEN`) in a subprocess on a fresh
-    :data:`SERVED_MODEL` saved to ``directory``, served as ``name``; yields its base URL, stops it afterwards.
-    Its log is ``directory``'s sibling ``serve.log``."""
+    :data:`SERVED_MODEL` saved to ``directory`` (after ``prepare(module)`` sets its weights, when given), served as
+    ``name``; yields its base URL, stops it afterwards. Its log is ``directory``'s sibling ``serve.log``."""
     from i3core.lifetime import ADMIN_TOKEN_ENV
 
     model = make_component("model", "tiny-moe", **SERVED_MODEL)
-    model.save_hf(model.build(seed=0), directory)
+    module = model.build(seed=0)
+    if prepare is not None:
+        prepare(module)
+    model.save_hf(module, directory)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
     plot.set_defaults(func=cmd_plot)
 
+    rollouts = commands.add_parser("rollouts", help="print a run's rollouts of one step (rollouts/step_N.jsonl)",
+                                   description="Each rollout of a step as its env scored it: prompt, completion, "
+                                   "reward, advantage, finish reason, ledger outcome, token counts and versions.")
+    rollouts.add_argument("run_dir", type=Path, help="a run's output directory (holds rollouts/)")
+    rollouts.add_argument("--step", type=positive_int, default=None, help="which step (default: the newest kept)")
+    rollouts.add_argument("--limit", type=positive_int, default=None, help="print at most this many rollouts")
+    rollouts.set_defaults(func=cmd_rollouts)
+
     inference = commands.add_parser("inference", help="one inference server of the run (for clusters)",
                                     description="Wait for the trainer's version 0 in the shared output_dir, then "
                                     "become server INDEX of the [inference] rollout source.")
@@ -412,6 +420,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     written = plot_run(args.run_dir, args.out)
     print("\n".join(str(path) for path in written))
+    return 0
+
+
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    from i3core.loop.rollouts import read, render
+
+    step, lines = read(args.run_dir, args.step)
+    print(render(step, lines[: args.limit]), end="")
     return 0
 
 
