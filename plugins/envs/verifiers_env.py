@@ -105,7 +105,8 @@ class VerifiersEnv:
     async def rollout(self, client: Any, example: Example) -> Rollout:
         vf = self._vf
         base_url = client.base_url
-        async with aiohttp.ClientSession() as session:
+        # the client's headers carry the run's admin token: the session routes ask for it
+        async with aiohttp.ClientSession(headers=getattr(client, "headers", None)) as session:
             model = await self._served_name(session, base_url)
             renderer = self.config.renderer_model or model
             if not (Path(renderer) / "tokenizer_config.json").is_file():

@@ -4,9 +4,12 @@ Tokens in, tokens out: the client tokenizes a prompt once and sends token ids;
 completions come back as token ids with logprobs and per-token versions.
 """
 
+import os
+
 import aiohttp
 
 from i3core.errors import SequenceFailed, ServerError
+from i3core.lifetime import ADMIN_TOKEN_ENV
 from i3core.types import Completion
 
 REQUEST_TIMEOUT_S = 600.0
@@ -15,8 +18,12 @@ REQUEST_TIMEOUT_S = 600.0
 
 class InferenceClient:
     def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S, completions_path: str = "/v1/completions"):
+                 timeout_s: float = REQUEST_TIMEOUT_S, completions_path: str = "/v1/completions",
+                 admin_token: str | None = None):
         self.base_url = base_url.rstrip("/")
+        token = admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        """Sent with every request: the run's admin token (weights, pause, sessions), default ``$I3CORE_ADMIN_TOKEN``."""
         self.completions_path = completions_path
         """Where the server answers token-id completions with versions (the builtin server's OpenAI route;
         i3core's own route inside vLLM)."""
@@ -30,7 +37,8 @@ class InferenceClient:
 
     async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                                  headers=self.headers)
         try:
             async with self._session.request(method, self.base_url + path, json=body) as response:
                 data = await response.json(content_type=None)

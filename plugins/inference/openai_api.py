@@ -21,6 +21,7 @@ from aiohttp import web
 
 from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.engine import Request, Sequence
+from i3core.plugins.inference.observability import TRACE
 from i3core.plugins.inference.protocol import (
     REQUEST_MODELS,
     ShuttingDown,
@@ -138,6 +139,12 @@ async def send_error(response: web.StreamResponse, exc: Exception) -> None:
     await response.write_eof()
 
 
+def served(http: web.Request, prompt_ids: list[int], outputs: list[Output]) -> None:
+    """What the request line says of a served request: its tokens and finish reasons."""
+    http[TRACE].update(prompt_tokens=len(prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outputs),
+                       finish_reason=",".join(dict.fromkeys(o.finish_reason for o in outputs)))
+
+
 def _check(seq: Sequence) -> None:
     """:raises SequenceFailed: ``seq`` failed alone in the engine (answered 500; the server goes on)."""
     if seq.finish_reason == "error":
@@ -239,6 +246,7 @@ class OpenAIRoutes:
         if sampling.stream:
             return await self._stream(http, seqs, sampling, prompt_ids, request_id, "text_completion", created)
         outputs = await together(self._run(seq, sampling) for seq in seqs)
+        served(http, prompt_ids, outputs)
         server.requests_served += 1
         choices = [
             completion_choice(i, out.text, prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
@@ -278,6 +286,7 @@ class OpenAIRoutes:
             return await self._stream(http, seqs, sampling, prompt_ids, request_id, "chat.completion.chunk", created,
                                       hold)
         outputs = await together(self._run(seq, sampling, hold) for seq in seqs)
+        served(http, prompt_ids, outputs)
         server.requests_served += 1
         choices = []
         for i, out in enumerate(outputs):
@@ -381,6 +390,7 @@ class OpenAIRoutes:
         except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
             await send_error(response, exc)
             return response
+        served(http, prompt_ids, outputs)
         self.server.requests_served += 1
         if sampling.include_usage:
             await send([], usage=usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)))
@@ -410,6 +420,7 @@ class OpenAIRoutes:
         sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, [server.model.eos_token_id])
         seqs = self._sequences(prompt_ids, sampling)
         outputs = await together(self._run(seq, sampling) for seq in seqs)
+        served(http, prompt_ids, outputs)
         server.requests_served += 1
         request_id = request.request_id or uuid.uuid4().hex
         choices = []

@@ -14,17 +14,20 @@ engine.
 
 import asyncio
 import difflib
+import hmac
 import json
 import re
 import time
 import typing
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from i3core.errors import EngineFailed, I3Error, SequenceFailed
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+
+from i3core.errors import EngineFailed, I3Error, SequenceFailed
 
 MAX_N = 64
 """Most completions one request may ask for (``n``)."""
@@ -146,6 +149,40 @@ def check_fields(body: dict, known: tuple[str, ...], unsupported: dict | None = 
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}", param=key)
+
+
+# -- who may call what ----------------------------------------------------------------------------------------------
+
+ADMIN_ROUTES = ("/update_weights", "/pause", "/resume", "/inference/v1/sessions/")
+"""Routes (prefixes) that change or read the server's state for the run: they need the admin token."""
+
+
+def is_admin_route(path: str) -> bool:
+    return path in ADMIN_ROUTES[:3] or path.startswith(ADMIN_ROUTES[3])
+
+
+def bearer_matches(authorization: str | None, *tokens: str | None) -> bool:
+    """Whether an ``Authorization: Bearer <token>`` header holds one of ``tokens`` (compared in constant time)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return False
+    return any(token and hmac.compare_digest(given.strip().encode(), token.encode()) for token in tokens)
+
+
+def unauthorized(what: str) -> BadRequest:
+    return BadRequest(f"{what}: send Authorization: Bearer <token>", code="invalid_api_key", status=401)
+
+
+def weights_path(path: str, roots: list[Path]) -> Path:
+    """``path`` if it lies under one of ``roots`` (the run's weight directories), resolved.
+
+    :raises BadRequest: 403 for any other path (``/update_weights`` must not read anything else on this disk).
+    """
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        raise BadRequest(f"path {path!r} is outside the weight directories this server reads from "
+                         f"({', '.join(str(r) for r in roots)})", param="path", code="forbidden", status=403)
+    return resolved
 
 
 # -- typed request models ------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ simulated --timing JSON`` for the simulated engine).
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -41,13 +42,18 @@ from aiohttp import web
 
 from i3core.config import build_component
 from i3core.errors import EngineFailed, I3Error, SequenceFailed
-from i3core.lifetime import terminate_with_run
+from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV, terminate_with_run
 from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
+from i3core.plugins.inference.observability import CONTENT_TYPE, ServerMetrics, configure_logging, request_log
 from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.protocol import (
     MAX_BODY_BYTES,
     BadRequest,
+    bearer_matches,
+    is_admin_route,
+    unauthorized,
+    weights_path,
     ShuttingDown,
     error_response,
     first_line,
@@ -81,6 +87,8 @@ class Server:
         self._update: tuple[dict, int, asyncio.Future] | None = None
         self._wake = asyncio.Event()
         self._paused = False
+        self.weight_roots: list[Path] = []
+        """Directories ``/update_weights`` may read from (the run's weight versions); empty: any path."""
         self.receiving = False
         """Whether weights arrive by broadcast (:meth:`offer`) and ``/update_weights`` may omit the path."""
         self.failure: str | None = None
@@ -101,6 +109,7 @@ class Server:
         self.started = time.time()
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="i3core-engine")
         """The one thread every engine step runs on: torch's intra-op thread pool stays that thread's."""
+        self.metrics = ServerMetrics(model_name, self._state)
 
     # -- the engine task ---------------------------------------------------
 
@@ -121,6 +130,7 @@ class Server:
                 start = time.perf_counter()
                 finished = await loop.run_in_executor(self._stepper, self.engine.step)
                 self.busy_slot_s += (time.perf_counter() - start) * (len(self.engine.running) + len(finished))
+                self.metrics.after_step(self.engine.running.values(), finished)
                 for seq in finished:
                     self.tokens_generated += len(seq.token_ids)
                     future = self._futures.pop(seq.id, None)
@@ -162,14 +172,17 @@ class Server:
             self.engine.load_state(state, version)
             self.update_pause_s += time.perf_counter() - start
             self.updates += 1
+            self.metrics.weight_updates.inc()
             if not done.done():
                 done.set_result(version)
         for seq, future in self._adds:
             self._futures[seq.id] = future
             self.engine.waiting.append(seq)
+            self.metrics.arrived(seq)
         self._adds.clear()
         for seq in self._aborts:
             self.engine.abort(seq)
+            self.metrics.left(seq)
         self._aborts.clear()
 
     def new_sequence(self, request: Request) -> Sequence:
@@ -257,15 +270,21 @@ class Server:
             body["weights_error"] = self._waits.failure
         return web.json_response(body)
 
-    async def metrics(self, http: web.Request) -> web.Response:
+    def _state(self) -> dict:
         engine = self.engine
+        return {"running": len(engine.running), "waiting": len(engine.waiting) + len(self._adds),
+                "max_slots": engine.max_slots, "version": engine.version, "paused": self._paused}
+
+    async def prometheus(self, http: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus' text format (:mod:`~i3core.plugins.inference.observability`)."""
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def counters(self, http: web.Request) -> web.Response:
+        """``GET /i3/metrics``: the same counters as JSON, for i3core's own tools (and the vllm source's twin)."""
         return web.json_response(
             {
-                "version": engine.version,
-                "running": len(engine.running),
-                "waiting": len(engine.waiting) + len(self._adds),
-                "max_slots": engine.max_slots,
-                "steps": engine.steps,
+                **self._state(),
+                "steps": self.engine.steps,
                 "tokens_generated": self.tokens_generated,
                 "requests_served": self.requests_served,
                 "busy_slot_s": self.busy_slot_s,
@@ -283,6 +302,8 @@ class Server:
                 raise BadRequest("this server receives weights from a path only: give path")
             await self._waits.wait(version)
             return web.json_response({"status": "ok", "version": self.engine.version})
+        if self.weight_roots:
+            path = weights_path(path, self.weight_roots)
         try:
             await self.load_weights(Path(path), version)
         except ValueError as exc:
@@ -389,19 +410,42 @@ async def _errors(request: web.Request, handler):
 ENGINE_TASK = web.AppKey("engine_task", asyncio.Task)
 
 
-def make_app(server: Server, receiver=None) -> web.Application:
-    """The HTTP app; with a broadcast ``receiver`` a thread takes the versions it delivers."""
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
-    app.add_routes(
-        [
-            *OpenAIRoutes(server).routes(),
-            web.get("/health", server.health),
-            web.get("/metrics", server.metrics),
-            web.post("/update_weights", server.update_weights),
-            web.post("/pause", server.pause),
-            web.post("/resume", server.resume),
-        ]
-    )
+def _guard(admin_token: str | None, api_key: str | None):
+    """The middleware that asks the admin routes for ``admin_token`` and ``/v1/*`` for ``api_key`` (401)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if admin_token and is_admin_route(request.path):
+            if not bearer_matches(request.headers.get("Authorization"), admin_token):
+                raise unauthorized(f"{request.path} needs the admin token")
+        elif api_key and request.path.startswith("/v1/"):
+            if not bearer_matches(request.headers.get("Authorization"), api_key, admin_token):
+                raise unauthorized(f"{request.path} needs the API key")
+        return await handler(request)
+
+    return guard
+
+
+def make_app(server: Server, receiver=None, *, admin: bool = True, admin_token: str | None = None,
+             api_key: str | None = None) -> web.Application:
+    """The HTTP app; with a broadcast ``receiver`` a thread takes the versions it delivers.
+
+    :param admin: serve the admin routes (:data:`ADMIN_ROUTES`: weights, pause, sessions); off: 404.
+    :param admin_token: what the admin routes ask for (``Authorization: Bearer``); None: they are open.
+    :param api_key: what ``/v1/*`` asks for, as vLLM's ``--api-key`` (the admin token is accepted too).
+    """
+    app = web.Application(middlewares=[request_log(server.metrics), _errors, _guard(admin_token, api_key)],
+                          client_max_size=MAX_BODY_BYTES)
+    routes = [
+        *OpenAIRoutes(server).routes(),
+        web.get("/health", server.health),
+        web.get("/metrics", server.prometheus),
+        web.get("/i3/metrics", server.counters),
+    ]
+    if admin:
+        routes += [web.post("/update_weights", server.update_weights), web.post("/pause", server.pause),
+                   web.post("/resume", server.resume)]
+    app.add_routes([r for r in routes if admin or not is_admin_route(r.path)])
 
     async def engine_task(app):
         task = asyncio.create_task(server.run_engine())
@@ -507,19 +551,35 @@ def main(argv=None) -> None:
     parser.add_argument("--index", type=int, default=0, help="simulated engine: offsets its sampling seed")
     parser.add_argument("--receiver", default=None, help="weight-sync receiver spec (JSON) to take broadcasts from")
     parser.add_argument("--receiver-rank", type=int, default=1, help="this server's rank in the broadcast group")
+    parser.add_argument("--admin-token", default=None,
+                        help=f"what the admin routes (weights, pause, sessions) ask for (default: ${ADMIN_TOKEN_ENV}; "
+                             "neither: they are open to whoever reaches the port)")
+    parser.add_argument("--no-admin", action="store_true", help="serve no admin route at all (404)")
+    parser.add_argument("--api-key", default=None, help=f"what /v1/* asks for as a Bearer token (default: ${API_KEY_ENV})")
+    parser.add_argument("--weights-root", type=Path, action="append", default=[],
+                        help="a directory /update_weights may read from (repeatable; default: the parent of "
+                             "--model-dir, where a run's weight versions lie)")
+    parser.add_argument("--log-format", choices=("json", "console"), default="json",
+                        help="one line per request and event on stdout: JSON, or plain text for a person")
     parser.add_argument("--shutdown-grace-s", type=float, default=SHUTDOWN_GRACE_S,
                         help="on SIGTERM/SIGINT, seconds requests in flight may take before they are answered 503")
     args = parser.parse_args(argv)
     terminate_with_run()  # started by `i3core run`: stop (SIGTERM, a graceful exit) if that run is killed
+    configure_logging(args.log_format)
     torch.set_num_threads(args.threads)
     try:
         server, receiver = _build(args)
     except I3Error as exc:  # one line in the server's log; the source reports the exit
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    server.weight_roots = args.weights_root or [args.model_dir.resolve().parent]
+    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if not args.no_admin and admin_token is None:
+        log.warning("the admin routes are open to whoever reaches this port", hint=f"set ${ADMIN_TOKEN_ENV}")
+    app = make_app(server, receiver, admin=not args.no_admin, admin_token=admin_token,
+                   api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     announce = f"i3core server: {server.model_name} on http://{args.host}:{args.port}"
-    sys.exit(asyncio.run(serve(make_app(server, receiver), server, args.host, args.port, announce,
-                               args.shutdown_grace_s)))
+    sys.exit(asyncio.run(serve(app, server, args.host, args.port, announce, args.shutdown_grace_s)))
 
 
 def _build(args: argparse.Namespace) -> tuple[Server, object]:
