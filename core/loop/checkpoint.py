@@ -151,6 +151,12 @@ def saved_state(state: dict[str, torch.Tensor], trained: set[str] | None) -> dic
     return dict(state) if trained is None else {name: t for name, t in state.items() if name in trained}
 
 
+def base_identity(component) -> dict | None:
+    """The frozen base a model component trains on (its optional ``base_identity()``: path and hash), or None."""
+    identity = getattr(component, "base_identity", None)
+    return identity() if identity is not None else None
+
+
 def model_file(state: dict[str, torch.Tensor], step: int, base: dict | None) -> dict:
     """The content of ``model.pt``: the saved ``state`` of ``step`` and the identity of the frozen ``base`` it
     was trained on (None: the state is the whole model)."""
@@ -174,6 +180,19 @@ def check_base(saved: dict, base: dict | None, step: int) -> None:
         raise I3Error(f"checkpoint step_{step} is an adapter of the base {before.get('path')} (sha256 "
                       f"{str(before.get('sha256'))[:12]}), not of {base.get('path')} (sha256 "
                       f"{str(base.get('sha256'))[:12]}): resume it on the base it was trained on")
+
+
+def load_model(root: Path, step: int, model: torch.nn.Module, base: dict | None) -> None:
+    """Load ``model.pt`` of checkpoint ``step`` under ``root`` into the (unsharded) ``model``, refusing another
+    ``base`` (:func:`check_base`); a checkpoint of trained tensors alone fills those.
+
+    :raises I3Error: no complete checkpoint ``step``, or another base.
+    """
+    if step not in complete_steps(root):
+        raise I3Error(f"no complete checkpoint step_{step} under {root}")
+    saved = torch.load(checkpoint_dir(root, step) / MODEL, weights_only=False)
+    check_base(saved, base, step)
+    model.load_state_dict(saved["model"], strict=trained_names(model) is None)
 
 
 # -- optimizer state -----------------------------------------------------------------------------------

@@ -370,15 +370,8 @@ class Trainer:
         if state["world"] != self.world:
             raise I3Error(f"checkpoint step_{step} was written by {state['world']} trainer processes; resume it "
                           f"with trainer.nproc = {state['world']} (now {self.world})")
-        saved = torch.load(directory / checkpoint.MODEL, weights_only=False)
-        checkpoint.check_base(saved, self._base_identity(), step)
-        self.model.load_state_dict(saved["model"], strict=self.trained is None)
+        checkpoint.load_model(self.paths.checkpoints, step, self.model, checkpoint.base_identity(self.model_component))
         return state
-
-    def _base_identity(self) -> dict | None:
-        """The frozen base the trained tensors belong to (the model component's ``base_identity``), or None."""
-        identity = getattr(self.model_component, "base_identity", None)
-        return identity() if identity is not None else None
 
     def _resume_optimizer(self, optimizer, schedule) -> None:
         directory = checkpoint.checkpoint_dir(self.paths.checkpoints, self.resume_step)
@@ -408,7 +401,8 @@ class Trainer:
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-                write_torch(checkpoint.model_file(model_state, step, self._base_identity()), staging / checkpoint.MODEL)
+                base = checkpoint.base_identity(self.model_component)
+                write_torch(checkpoint.model_file(model_state, step, base), staging / checkpoint.MODEL)
                 write_torch({"step": step, "world": self.world, "lr_schedule": schedule.state_dict(),
                              "rng": torch.get_rng_state()}, staging / checkpoint.TRAINER)
                 orchestrator = self.paths.orchestrator_state(step)
