@@ -4,7 +4,7 @@ On a Qwen3 of about 100M parameters built from config (examples/make_hf_model.py
 
 - ``trainer_peak_rss_mb``: the trainer role (``python -m i3core.loop.trainer``, one process) training ``--steps``
   steps on the same prepared batches and publishing a version per step (filesystem sync), its peak RSS;
-- ``steps_per_s``: 1 / the mean ``step_time_s`` of those steps after the first (train + publish);
+- ``steps_per_s``: 1 / the median ``step_time_s`` of those steps after the first (train + publish);
 - ``publish_bytes_per_version``: the bytes of one published version on disk;
 - ``update_pause_ms``: the builtin engine (the one behind the builtin server and ``local``) decoding
   ``--sequences`` sequences while each version is swapped in between two decode steps: the mean time it stands
@@ -82,11 +82,11 @@ def train(kind: str, model: dict, work: Path, args) -> dict:
     times = [json.loads((out / "trainer" / f"step_{s}.json").read_text())["step_time_s"]
              for s in range(2, args.steps + 1)]
     version = out / "broadcasts" / f"step_{args.steps}"
-    return {"out": out, "peak_rss_mb": tree["peak_rss_mb"], "steps_per_s": 1 / statistics.mean(times),
+    return {"out": out, "peak_rss_mb": tree["peak_rss_mb"], "steps_per_s": 1 / statistics.median(times),
             "bytes": sum(f.stat().st_size for f in version.iterdir() if f.is_file())}
 
 
-def pauses(component, out: Path, args) -> tuple[float, object]:
+def pauses(component, out: Path, args) -> float:
     """Mean ms the engine stands still per swap, versions 1..steps swapped in while sequences decode."""
     from i3core.plugins.inference.engine import Engine, Request
 
@@ -103,43 +103,60 @@ def pauses(component, out: Path, args) -> tuple[float, object]:
         start = time.perf_counter()
         engine.load_state(state, version)
         took.append(time.perf_counter() - start)
-    return 1000 * statistics.mean(took), engine
+    return 1000 * statistics.mean(took)
 
 
-def decode_ms(engine, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return 1000 * (time.perf_counter() - start) / steps
-
-
-def lora_serving(component, engine, work: Path, args) -> dict:
-    """The adapter as low-rank terms (the engine as it runs) against merged into the weights at every swap."""
-    from peft.tuners.lora import LoraLayer
-
+def decoding_engine(model, args):
+    """An engine over ``model`` with ``--sequences`` sequences prefilled and room for every timed step."""
     from i3core.plugins.inference.engine import Engine, Request
 
-    model = engine.model
-    unmerged_step = decode_ms(engine, args.decode_steps)
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    originals = [m.get_base_layer().weight.detach().clone() for m in layers]
-    start = time.perf_counter()
-    with torch.no_grad():  # what a merging engine does at each update: W = W0 + (alpha/r) B A, every target
-        for layer, original in zip(layers, originals):
-            layer.get_base_layer().weight.copy_(original + layer.get_delta_weight("default"))
-    merge_ms = 1000 * (time.perf_counter() - start)
-    merged_dir = component.save_merged(work / "lora" / "broadcasts" / f"step_{args.steps}", work / "merged")
+    engine = Engine(model, max_slots=args.sequences, max_len=args.decode_steps * (args.rounds + 1) + 32)
+    rng = random.Random(1)
+    for _ in range(args.sequences):
+        engine.add(Request([rng.randrange(384) for _ in range(8)], max_tokens=args.decode_steps * (args.rounds + 1)))
+    engine.step()  # the prefill
+    return engine
+
+
+def lora_serving(component, work: Path, args) -> dict:
+    """The adapter as low-rank terms in the forward (what the engine does) against merged into the weights at
+    every swap: the swap's cost (merging: ``W0 + (alpha/r) B A`` into every target matrix) and a decode step's
+    time on each, timed in alternating rounds (the machine's load drifts) and the medians taken."""
+    from peft.tuners.lora import LoraLayer
+
     from i3core.config import build_component
     from i3core.manager import load_plugins
 
+    adapter = work / "lora" / "broadcasts" / f"step_{args.steps}"
+    unmerged = decoding_engine(component.load_hf(adapter), args)
+    merged_dir = component.save_merged(adapter, work / "merged")
     plain = build_component("model", {"use": "hf", "path": str(merged_dir)}, load_plugins())
-    merged = Engine(plain.load_hf(merged_dir), max_slots=args.sequences, max_len=args.decode_steps + 16)
-    rng = random.Random(1)
-    for _ in range(args.sequences):
-        merged.add(Request([rng.randrange(384) for _ in range(8)], max_tokens=args.decode_steps + 4))
-    merged.step()  # the prefill
-    return {"swap_ms": {"low_rank_terms": None, "merged": round(merge_ms, 2)},
-            "decode_step_ms": {"low_rank_terms": round(unmerged_step, 2), "merged": round(decode_ms(merged, args.decode_steps), 2)}}
+    merged = decoding_engine(plain.load_hf(merged_dir), args)
+    layers = [m for m in unmerged.model.modules() if isinstance(m, LoraLayer)]
+    originals = [m.get_base_layer().weight.detach().clone() for m in layers]
+    steps = {"low_rank_terms": [], "merged": []}
+    merges = []
+    for _ in range(args.rounds):
+        for name, engine in (("low_rank_terms", unmerged), ("merged", merged)):
+            start = time.perf_counter()
+            for _ in range(args.decode_steps):
+                engine.step()
+            steps[name].append(1000 * (time.perf_counter() - start) / args.decode_steps)
+        start = time.perf_counter()
+        with torch.no_grad():  # what a merging engine does at each update
+            for layer, original in zip(layers, originals):
+                torch.add(original, layer.get_delta_weight("default"), out=scratch(layer, original))
+        merges.append(1000 * (time.perf_counter() - start))
+    return {"swap_ms": {"low_rank_terms": None, "merged": round(statistics.median(merges), 2)},
+            "decode_step_ms": {k: round(statistics.median(v), 2) for k, v in steps.items()}}
+
+
+_SCRATCH: dict = {}
+
+
+def scratch(layer, like: torch.Tensor) -> torch.Tensor:
+    """A merged weight's buffer per layer (a merging engine writes into its own copy of the weights)."""
+    return _SCRATCH.setdefault(id(layer), torch.empty_like(like))
 
 
 def reward(lora: bool, args) -> float:
@@ -166,9 +183,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the trainer")
     parser.add_argument("--sequences", type=int, default=8, help="sequences the engine decodes while swapping")
     parser.add_argument("--swap-every", type=int, default=4, help="decode steps between two swaps")
-    parser.add_argument("--decode-steps", type=int, default=20, help="decode steps timed per serving mode")
+    parser.add_argument("--decode-steps", type=int, default=5, help="decode steps timed per serving mode and round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the serving comparison")
     parser.add_argument("--rl-steps", type=int, default=30, help="RL steps of the reward comparison (0: skip it)")
-    parser.add_argument("--lora-lr-scale", type=float, default=10.0,
+    parser.add_argument("--lora-lr-scale", type=float, default=5.0,
                         help="LoRA's learning rates (SFT and RL) as a multiple of full fine-tuning's")
     parser.add_argument("--seed", type=int, default=0, help="run.seed of the reward comparison")
     args = parser.parse_args()
@@ -182,13 +200,11 @@ def main() -> None:
         base = make_hf_model(work / "base", **SIZE_100M)
         params = sum(t.numel() for t in load_file(str(base / "model.safetensors")).values())
         sides = {"full": {"use": "hf", "path": str(base)}, "lora": {"use": "hf", "path": str(base), "lora": LORA}}
-        engines = {}
         for kind, model in sides.items():
             trained = train(kind, model, work, args)
             component = build_component("model", model, load_plugins())
-            pause, engines[kind] = pauses(component, trained["out"], args)
-            results[kind] = {**trained, "pause_ms": pause, "component": component}
-        serving = lora_serving(results["lora"]["component"], engines["lora"], work, args)
+            results[kind] = {**trained, "pause_ms": pauses(component, trained["out"], args), "component": component}
+        serving = lora_serving(results["lora"]["component"], work, args)
         serving["swap_ms"]["low_rank_terms"] = round(results["lora"]["pause_ms"], 3)
     keys = {"trainer_peak_rss_mb": "peak_rss_mb", "publish_bytes_per_version": "bytes",
             "update_pause_ms": "pause_ms", "steps_per_s": "steps_per_s"}
