@@ -1,0 +1,323 @@
+"""Stop strings matched as text, one text per token sequence, eos ids as vLLM's (issue 27, items 1-3).
+
+The incremental detokenizer against the whole decode (any ids, byte-level and BPE tokenizers), the engine
+stopping at a stop string whatever tokens hold it, the same scripted token sequences through ``local`` (the
+engine in this process) and ``builtin`` (the same server over HTTP) scored alike, and a short run on an ``hf`` BPE
+model whose merged newline tokens (``":\\n"``, ``".\\n\\n"``) end completions. The vLLM side is in
+tests/test_vllm.py.
+"""
+
+import asyncio
+import random
+
+import pytest
+from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from i3core import hookimpl
+from i3core.config import load_config
+from i3core.loop.run import execute, stop_strings, stop_token_ids
+from i3core.plugins.inference.client import InferenceClient
+from i3core.plugins.inference.engine import Request
+from i3core.plugins.inference.local import LocalClient
+from i3core.plugins.inference.server import builtin_server, make_app
+from i3core.plugins.models.hf import HF
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, build_tokenizer, token_id
+from i3core.testing import make_component, plugin_manager
+from i3core.text import MAX_SPLIT_TOKENS, REPLACEMENT, Detokenizer, completion_text, end_ids
+
+from .conftest import ROOT
+from .test_hf_model import make_hf_model
+from .test_openai_api import Scripted, ScriptedLM
+
+STOPS = ["\n", "</answer>", ":\n", "é", "ab"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(hf_dir):
+    """tiny-moe's byte tokenizer and the hf model's byte-level BPE (Qwen2's pre-tokenizer: newlines merged)."""
+    return {"bytes": build_tokenizer(), "bpe": HF(HF.Config(path=hf_dir)).tokenizer()}
+
+
+def bpe_ids(tokenizer, *pieces: str) -> list[int]:
+    """The ids of tokens named as their text (each must be one token of the vocabulary)."""
+    ids = [tokenizer.encode(piece, add_special_tokens=False).ids for piece in pieces]
+    assert all(len(i) == 1 for i in ids), (pieces, ids)
+    return [i[0] for i in ids]
+
+
+# -- the detokenizer --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(which=st.sampled_from(["bytes", "bpe"]), stop=st.sampled_from(STOPS), seed=st.integers(0, 2**32 - 1),
+       garbage=st.booleans())
+def test_the_detokenizer_gives_the_whole_decode_one_token_at_a_time(tokenizers, which, stop, seed, garbage):
+    tokenizer = tokenizers[which]
+    rng = random.Random(seed)
+    vocab = tokenizer.get_vocab_size()
+    # half the cases from bytes that make and break multi-byte characters, and the stop texts' own tokens
+    pool = ([0x80, 0xC3, 0xA9, 0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x98, 0x80, *tokenizer.encode(stop).ids]
+            if garbage and which == "bytes" else range(vocab))
+    ids = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
+    detokenizer = Detokenizer(tokenizer, stop=[stop])
+    for i, token in enumerate(ids):
+        detokenizer.add(token)
+        whole = tokenizer.decode(ids[: i + 1], skip_special_tokens=False)
+        assert whole.startswith(detokenizer.text)
+        if not whole.endswith(REPLACEMENT):  # only a character still unfinished is held back
+            assert detokenizer.text == whole
+        if detokenizer.stop_at is not None:
+            assert whole.find(stop) == detokenizer.stop_at
+            break
+        assert stop not in whole.removesuffix(REPLACEMENT)  # no stop string is missed
+
+
+def test_the_detokenizer_decodes_a_short_window_per_token(tokenizers):
+    """Linear in the completion's length: each token decodes a few tokens, however long the text (invalid
+    bytes too)."""
+    windows = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens):
+            windows.append(len(ids))
+            return tokenizers["bytes"].decode(ids, skip_special_tokens=skip_special_tokens)
+
+    rng = random.Random(0)
+    ids = [rng.choice([*range(0x80, 0x100), *range(0x61, 0x7B)]) for _ in range(3000)]
+    detokenizer = Detokenizer(Counting(), stop=["\n\n\n"])
+    for token in ids:
+        detokenizer.add(token)
+    assert max(windows) <= 2 * (MAX_SPLIT_TOKENS + 1)
+    assert sum(windows) <= 4 * (MAX_SPLIT_TOKENS + 1) * len(ids)
+    assert tokenizers["bytes"].decode(ids, skip_special_tokens=False).startswith(detokenizer.text)
+
+
+def test_completion_text_leaves_out_the_end_token_and_cuts_at_the_stop_string(tokenizers):
+    tok = tokenizers["bytes"]
+    ids = [*tok.encode("cba\nxy").ids, token_id(EOS)]
+    assert completion_text(tok, ids, stop_token_ids=[token_id(EOS)]) == "cba\nxy"
+    assert completion_text(tok, ids, stop_token_ids=[token_id(EOS)], stop=["\n"]) == "cba"
+    assert completion_text(tok, ids) == "cba\nxy" + EOS  # not the token that ended it: written as itself
+    assert completion_text(tok, ids, skip_special_tokens=True) == "cba\nxy"
+
+
+# -- the engine --------------------------------------------------------------------------------------------------
+
+
+class ScriptedHF(HF):
+    """The hf component's tokenizer over :class:`ScriptedLM` (a model that writes a given token script)."""
+
+    def load_hf(self, path):
+        return ScriptedLM(self.tokenizer().get_vocab_size())
+
+
+def scripted_server(which: str, hf_dir, tmp_path):
+    """A builtin server over a scripted model with tiny-moe's or the hf model's tokenizer."""
+    component = Scripted(Scripted.Config()) if which == "bytes" else ScriptedHF(HF.Config(path=hf_dir))
+    (tmp_path / "config.json").exists() or (tmp_path / "config.json").write_text("{}")
+    return builtin_server(tmp_path, component, max_slots=8, max_len=96, version=0, served_name=which)
+
+
+def run_engine(engine, request):
+    seq = engine.add(request)
+    while engine.has_work():
+        engine.step()
+    return seq
+
+
+def test_the_engine_stops_at_a_stop_string_across_tokens(tokenizers, hf_dir, tmp_path):
+    # tiny-moe: one token a byte, so "</answer>" is nine tokens (its stop ids would have stopped at "<")
+    server = scripted_server("bytes", hf_dir, tmp_path)
+    tok, model = tokenizers["bytes"], server.engine.model
+    prompt = tok.encode("q:").ids
+    model.start, model.script = len(prompt), tok.encode("ab</answer>cd").ids
+    seq = run_engine(server.engine, Request(prompt, 20, 0.0, (token_id(EOS),), stop=("</answer>",)))
+    assert (seq.finish_reason, seq.text) == ("stop", "ab")
+    assert tok.decode(seq.token_ids) == "ab</answer>"  # the tokens up to the one that completed it
+    # the BPE: "\n" merged with ":" into one token; the stop text's own token is another one
+    server = scripted_server("bpe", hf_dir, tmp_path)
+    tok, model = tokenizers["bpe"], server.engine.model
+    script = bpe_ids(tok, "cb", "a", ":\n", "x", "y")
+    assert script[2] not in tok.encode("\n").ids  # what stop_token_ids = encode(stop_text) missed
+    prompt = tok.encode("reverse abc:").ids
+    model.start, model.script = len(prompt), script
+    seq = run_engine(server.engine, Request(prompt, 20, 0.0, tuple(end_ids(ScriptedHF(HF.Config(path=hf_dir)))),
+                                            stop=("\n",)))
+    assert (seq.finish_reason, seq.text, seq.token_ids) == ("stop", "cba:", script[:3])
+
+
+def test_a_stream_never_sends_half_a_character(tokenizers, hf_dir, tmp_path):
+    server = scripted_server("bytes", hf_dir, tmp_path)
+    tok, model = tokenizers["bytes"], server.engine.model
+    prompt = tok.encode("q:").ids
+    model.start, model.script = len(prompt), list("né中😀!\n".encode())
+    seq = server.engine.add(Request(prompt, 20, 0.0, (), stop=("\n",), stream=True))
+    seen = []
+    while server.engine.has_work():
+        server.engine.step()
+        seen.append(seq.decoded)
+    texts = [text for _, text in seen]
+    assert all(REPLACEMENT not in text for text in texts)
+    assert [t for t in dict.fromkeys(texts)] == ["n", "né", "né中", "né中😀", "né中😀!", "né中😀!\n"]
+    assert seq.text == "né中😀!" and seq.finish_reason == "stop"  # the finished text ends before the stop string
+
+
+# -- one token sequence, one text, on every backend --------------------------------------------------------------
+
+
+def scripts(which: str, tokenizer, answer: str) -> list[tuple[str, list[int], str, str | None]]:
+    """``(name, token script, the finish reason it must end with, the text an env must get)`` for one reverse-text
+    answer (None: whatever the first 12 tokens say)."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    if which == "bytes":
+        newline, text = enc(answer + "\n"), answer
+    else:  # the answer, then "." and two newlines in one token
+        newline, text = [*enc(answer), *bpe_ids(tokenizer, ".\n\n")], answer + "."
+    split = [*enc(answer), *enc("é")]  # two tokens in either vocabulary: one byte each
+    assert len(enc("é")) == 2
+    return [
+        ("newline", [*newline, *enc("zz")], "stop", text),
+        ("eos", [*enc(answer), tokenizer.token_to_id(IM_END), *enc("zz")], "stop", answer),
+        ("split character", [*split, *enc("\nzz")], "stop", answer + "é"),
+        ("length", enc(answer + "abcdefghabcdefgh"), "length", None),
+    ]
+
+
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_local_and_builtin_score_the_same_token_sequences_alike(which, tokenizers, hf_dir, tmp_path):
+    env = make_component("env", "reverse-text", num_examples=4, max_tokens=12)
+    local_server, http_server = scripted_server(which, hf_dir, tmp_path), scripted_server(which, hf_dir, tmp_path)
+    model = Scripted(Scripted.Config()) if which == "bytes" else ScriptedHF(HF.Config(path=hf_dir))
+    tok = tokenizers[which]
+    stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
+    assert stop == ["\n"] and stop_ids == end_ids(model)
+
+    async def scenario():
+        http = TestServer(make_app(http_server), host="127.0.0.1")
+        await http.start_server()
+        clients = {"local": LocalClient(local_server, tok, stop_ids, stop),
+                   "builtin": InferenceClient(str(http.make_url("")), tok, stop_token_ids=stop_ids, stop=stop)}
+        out = []
+        try:
+            for example in env.examples():
+                prompt = tok.encode(example.prompt).ids
+                for name, script, finish, text in scripts(which, tok, example.answer):
+                    results = {}
+                    for backend, client in clients.items():
+                        server = local_server if backend == "local" else http_server
+                        server.engine.model.start, server.engine.model.script = len(prompt), script
+                        rollout = await env.rollout(client, example)
+                        completion = await client.complete_ids(prompt, max_tokens=12, temperature=1.0)
+                        results[backend] = (rollout, completion)
+                    out.append((example, name, finish, text, results))
+        finally:
+            for client in clients.values():
+                await client.close()
+            await http.close()
+        return out
+
+    for example, name, finish, text, results in asyncio.run(scenario()):
+        (local, local_completion), (builtin, builtin_completion) = results["local"], results["builtin"]
+        where = (which, name, example.answer)
+        assert local.completion_text == builtin.completion_text == local_completion.text, where
+        assert local.completion_ids == builtin.completion_ids == local_completion.token_ids, where
+        assert local.completion_mask == builtin.completion_mask == [True] * len(local.completion_ids), where
+        assert local.reward == builtin.reward, where
+        assert local_completion.finish_reason == builtin_completion.finish_reason == finish, where
+        assert "\n" not in local.completion_text and not local.completion_text.endswith(("<|im_end|>", EOS))
+        if text is not None:  # nothing after the stop is kept, scored or trained
+            assert local.completion_text == text and (local.reward == 1.0) == (text == example.answer), where
+        assert local.completion_ids == local_completion.token_ids
+
+
+def test_every_route_stops_at_every_eos_id_by_default(tmp_path):
+    """tiny-moe's generation_config names <|im_end|> and <|endoftext|>: completions, chat and the token-in route
+    stop at either, as vLLM does."""
+    model = Scripted(Scripted.Config())
+    assert end_ids(model) == [token_id(IM_END), token_id(EOS)]
+    assert end_ids(model, chat=True) == [token_id(IM_END), token_id(EOS)]
+    server = builtin_server(tmp_path, model, max_slots=4, max_len=64, version=0, served_name="scripted")
+    tok = model.tokenizer()
+    prompt = tok.encode("q:").ids
+
+    async def scenario():
+        http = TestServer(make_app(server), host="127.0.0.1")
+        await http.start_server()
+        import aiohttp
+
+        answers = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                for end in (IM_END, EOS):
+                    server.engine.model.start = len(prompt)
+                    server.engine.model.script = [*tok.encode("ab").ids, token_id(end), *tok.encode("cd").ids]
+                    for route, body in (("/v1/completions", {"prompt": prompt, "max_tokens": 6}),
+                                        ("/inference/v1/generate", {"token_ids": prompt,
+                                                                     "sampling_params": {"max_tokens": 6}})):
+                        async with session.post(http.make_url(route), json=body) as response:
+                            answers[end, route] = (await response.json())["choices"][0]
+        finally:
+            await http.close()
+        return answers
+
+    for (end, route), choice in asyncio.run(scenario()).items():
+        assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == token_id(end), (end, route)
+        assert choice.get("text", "ab") == "ab"
+
+
+# -- a run -------------------------------------------------------------------------------------------------------
+
+
+class Rollouts:
+    """Every rollout a run's orchestrator finishes."""
+
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    def i3_on_rollout_finished(self, rollout):
+        self.seen.append(rollout)
+
+
+def assert_stopped_at_the_stop_text(rollouts, tokenizer, stop: str, max_tokens: int, eos: list[int]):
+    """Each rollout's text holds no stop text; where its tokens' text holds it, the last token completed it."""
+    stopped = 0
+    for r in rollouts:
+        ids = r.completion_ids
+        assert stop not in r.completion_text, r.completion_text
+        assert r.completion_text == completion_text(tokenizer, ids, stop_token_ids=eos, stop=[stop])
+        assert all(r.completion_mask)
+        whole = tokenizer.decode(ids, skip_special_tokens=False)
+        if stop in whole:  # it stopped there: the stop text appears only with the last token
+            assert stop not in tokenizer.decode(ids[:-1], skip_special_tokens=False)
+            stopped += 1
+        else:
+            assert len(ids) == max_tokens or ids[-1] in eos
+    return stopped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["local", "builtin"])
+def test_a_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_stop_text(source, hf_dir, tmp_path):
+    """No SFT: a random model writes every kind of token, merged newlines (":\\n", ".\\n\\n", "?\\n") among them."""
+    recorder = Rollouts()
+    sets = [f"run.output_dir='{tmp_path / 'run'}'", f"model.path='{hf_dir}'", "run.max_steps=2", "sft.steps=0",
+            "scheduler.batch_size=64", "scheduler.group_size=8", "env.max_tokens=12", "env.min_len=3",
+            "env.max_len=5"]
+    if source == "builtin":
+        sets += ["inference.use='builtin'", "inference.servers=1", "inference.max_slots=64"]
+    config, plugins = load_config(ROOT / "examples" / "hf_model.toml", sets, plugin_manager(recorder))
+    assert execute(config, plugins) == 0
+    model = make_component("model", "hf", path=str(hf_dir))
+    tokenizer = model.tokenizer()
+    merged = [t for t, i in tokenizer.get_vocab().items() if "Ċ" in t and t != "Ċ"]
+    assert len(merged) >= 3  # the BPE merged newlines with their neighbours
+    stopped = assert_stopped_at_the_stop_text(recorder.seen, tokenizer, "\n", 12, end_ids(model))
+    assert len(recorder.seen) >= 128 and stopped > 0
