@@ -287,8 +287,9 @@ class Rollouts:
 
 
 def assert_stopped_at_the_stop_text(rollouts, tokenizer, stop: str, max_tokens: int, eos: list[int]):
-    """Each rollout's text holds no stop text; where its tokens' text holds it, the last token completed it."""
-    stopped = 0
+    """Each rollout's text holds no stop text; where its tokens' text holds it, the last token completed it.
+    How many stopped there, and how many of those on a token that holds more than the stop text."""
+    stopped = merged = 0
     for r in rollouts:
         ids = r.completion_ids
         assert stop not in r.completion_text, r.completion_text
@@ -298,9 +299,10 @@ def assert_stopped_at_the_stop_text(rollouts, tokenizer, stop: str, max_tokens: 
         if stop in whole:  # it stopped there: the stop text appears only with the last token
             assert stop not in tokenizer.decode(ids[:-1], skip_special_tokens=False)
             stopped += 1
+            merged += tokenizer.decode(ids[-1:], skip_special_tokens=False) != stop
         else:
             assert len(ids) == max_tokens or ids[-1] in eos
-    return stopped
+    return stopped, merged
 
 
 @pytest.mark.slow
@@ -319,5 +321,5 @@ def test_a_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_stop_te
     tokenizer = model.tokenizer()
     merged = [t for t, i in tokenizer.get_vocab().items() if "Ċ" in t and t != "Ċ"]
     assert len(merged) >= 3  # the BPE merged newlines with their neighbours
-    stopped = assert_stopped_at_the_stop_text(recorder.seen, tokenizer, "\n", 12, end_ids(model))
-    assert len(recorder.seen) >= 128 and stopped > 0
+    stopped, merged = assert_stopped_at_the_stop_text(recorder.seen, tokenizer, "\n", 12, end_ids(model))
+    assert len(recorder.seen) >= 128 and stopped > merged > 0
