@@ -190,14 +190,18 @@ def scripts(which: str, tokenizer, answer: str) -> list[tuple[str, list[int], st
     ]
 
 
-@pytest.mark.parametrize("which", ["bytes", "bpe"])
-def test_local_and_builtin_score_the_same_token_sequences_alike(which, tokenizers, hf_dir, tmp_path):
-    env = make_component("env", "reverse-text", num_examples=4, max_tokens=12)
+def scripted_model(which: str, hf_dir):
+    return Scripted(Scripted.Config()) if which == "bytes" else ScriptedHF(HF.Config(path=hf_dir))
+
+
+def through_local_and_builtin(which: str, hf_dir, tmp_path, env, jobs, max_tokens: int) -> list[dict]:
+    """Each ``(example, token script)`` of ``jobs`` written by a scripted model behind ``local`` (the engine in this
+    process) and ``builtin`` (the same server over HTTP), with the run's stops for ``env``: per job, per backend,
+    ``(the env's rollout, a completion of the example's prompt)``."""
     local_server, http_server = scripted_server(which, hf_dir, tmp_path), scripted_server(which, hf_dir, tmp_path)
-    model = Scripted(Scripted.Config()) if which == "bytes" else ScriptedHF(HF.Config(path=hf_dir))
-    tok = tokenizers[which]
+    model = scripted_model(which, hf_dir)
+    tok = model.tokenizer()
     stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
-    assert stop == ["\n"] and stop_ids == end_ids(model)
 
     async def scenario():
         http = TestServer(make_app(http_server), host="127.0.0.1")
@@ -206,35 +210,53 @@ def test_local_and_builtin_score_the_same_token_sequences_alike(which, tokenizer
                    "builtin": InferenceClient(str(http.make_url("")), tok, stop_token_ids=stop_ids, stop=stop)}
         out = []
         try:
-            for example in env.examples():
+            for example, script in jobs:
                 prompt = tok.encode(example.prompt).ids
-                for name, script, finish, text in scripts(which, tok, example.answer):
-                    results = {}
-                    for backend, client in clients.items():
-                        server = local_server if backend == "local" else http_server
-                        server.engine.model.start, server.engine.model.script = len(prompt), script
-                        rollout = await env.rollout(client, example)
-                        completion = await client.complete_ids(prompt, max_tokens=12, temperature=1.0)
-                        results[backend] = (rollout, completion)
-                    out.append((example, name, finish, text, results))
+                results = {}
+                for backend, client in clients.items():
+                    server = local_server if backend == "local" else http_server
+                    server.engine.model.start, server.engine.model.script = len(prompt), list(script)
+                    rollout = await env.rollout(client, example)
+                    completion = await client.complete_ids(prompt, max_tokens=max_tokens, temperature=1.0)
+                    results[backend] = (rollout, completion)
+                out.append(results)
         finally:
             for client in clients.values():
                 await client.close()
             await http.close()
         return out
 
-    for example, name, finish, text, results in asyncio.run(scenario()):
-        (local, local_completion), (builtin, builtin_completion) = results["local"], results["builtin"]
+    return asyncio.run(scenario())
+
+
+def assert_scored_alike(rollouts: list, completions: list) -> None:
+    """Rollouts of one token sequence (and completions of it) from several backends: the same text, reward, loss
+    mask, tokens and finish reason."""
+    first, done = rollouts[0], completions[0]
+    for rollout, completion in zip(rollouts, completions):
+        assert rollout.completion_text == first.completion_text == done.text
+        assert rollout.completion_ids == first.completion_ids == done.token_ids
+        assert rollout.completion_mask == first.completion_mask == [True] * len(first.completion_ids)
+        assert rollout.reward == first.reward
+        assert (completion.text, completion.token_ids, completion.finish_reason) == (
+            done.text, done.token_ids, done.finish_reason)
+
+
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_local_and_builtin_score_the_same_token_sequences_alike(which, tokenizers, hf_dir, tmp_path):
+    env = make_component("env", "reverse-text", num_examples=4, max_tokens=12)
+    model, tok = scripted_model(which, hf_dir), tokenizers[which]
+    assert stop_strings(env) == ["\n"] and stop_token_ids(model, env) == end_ids(model)
+    cases = [(example, case) for example in env.examples() for case in scripts(which, tok, example.answer)]
+    results = through_local_and_builtin(which, hf_dir, tmp_path, env, [(e, c[1]) for e, c in cases], 12)
+    for (example, (name, _, finish, text)), result in zip(cases, results):
         where = (which, name, example.answer)
-        assert local.completion_text == builtin.completion_text == local_completion.text, where
-        assert local.completion_ids == builtin.completion_ids == local_completion.token_ids, where
-        assert local.completion_mask == builtin.completion_mask == [True] * len(local.completion_ids), where
-        assert local.reward == builtin.reward, where
-        assert local_completion.finish_reason == builtin_completion.finish_reason == finish, where
-        assert "\n" not in local.completion_text and not local.completion_text.endswith(("<|im_end|>", EOS))
+        (local, local_completion), (builtin, builtin_completion) = result["local"], result["builtin"]
+        assert_scored_alike([local, builtin], [local_completion, builtin_completion])
+        assert local_completion.finish_reason == finish, where
+        assert "\n" not in local.completion_text and not local.completion_text.endswith((IM_END, EOS)), where
         if text is not None:  # nothing after the stop is kept, scored or trained
             assert local.completion_text == text and (local.reward == 1.0) == (text == example.answer), where
-        assert local.completion_ids == local_completion.token_ids
 
 
 def test_every_route_stops_at_every_eos_id_by_default(tmp_path):
@@ -305,16 +327,13 @@ def assert_stopped_at_the_stop_text(rollouts, tokenizer, stop: str, max_tokens: 
     return stopped, merged
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("source", ["local", "builtin"])
-def test_a_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_stop_text(source, hf_dir, tmp_path):
-    """No SFT: a random model writes every kind of token, merged newlines (":\\n", ".\\n\\n", "?\\n") among them."""
+def run_stops_on_merged_tokens(hf_dir, tmp_path, *inference: str) -> None:
+    """A short run on examples/hf_model.toml with the ``inference`` overrides, no SFT: a random model writes every
+    kind of token, merged newlines (":\\n", ".\\n\\n", "?\\n") among them; every rollout stops at the stop text."""
     recorder = Rollouts()
     sets = [f"run.output_dir='{tmp_path / 'run'}'", f"model.path='{hf_dir}'", "run.max_steps=2", "sft.steps=0",
             "scheduler.batch_size=64", "scheduler.group_size=8", "env.max_tokens=12", "env.min_len=3",
-            "env.max_len=5"]
-    if source == "builtin":
-        sets += ["inference.use='builtin'", "inference.servers=1", "inference.max_slots=64"]
+            "env.max_len=5", *inference]
     config, plugins = load_config(ROOT / "examples" / "hf_model.toml", sets, plugin_manager(recorder))
     assert execute(config, plugins) == 0
     model = make_component("model", "hf", path=str(hf_dir))
@@ -323,3 +342,10 @@ def test_a_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_stop_te
     assert len(merged) >= 3  # the BPE merged newlines with their neighbours
     stopped, merged = assert_stopped_at_the_stop_text(recorder.seen, tokenizer, "\n", 12, end_ids(model))
     assert len(recorder.seen) >= 128 and stopped > merged > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["local", "builtin"])
+def test_a_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_stop_text(source, hf_dir, tmp_path):
+    builtin = ["inference.use='builtin'", "inference.servers=1", "inference.max_slots=64"]
+    run_stops_on_merged_tokens(hf_dir, tmp_path, *(builtin if source == "builtin" else []))
