@@ -6,10 +6,10 @@
 
 The directory is what ``[model] use = "hf"``, ``path = DIR`` trains (see examples/hf_model.toml): transformers
 builds the model from its config.json, ``tokenizers`` trains a byte-level BPE on the text of the tiny envs
-(reverse-text's prompts, arithmetic, a calculator's tool calls, as multi-line documents) with ChatML specials and
-Qwen2's pre-tokenizer (so, as in Qwen's and Llama-3's vocabularies, ``"\n"`` merges with its neighbours: ``":\n"``,
-``".\n"``, ``"\n\n"`` are single tokens), and the tokenizer carries a ChatML chat template whose turns end with
-``<|im_end|>`` (also the eos token). Nothing is downloaded.
+(their words, arithmetic, a calculator's tool calls, as multi-line documents; not reverse-text's random strings,
+see :func:`corpus`) with ChatML specials and Qwen2's pre-tokenizer (so, as in Qwen's and Llama-3's vocabularies,
+``"\n"`` merges with its neighbours: ``":\n"``, ``".\n\n"``, ``"?\n"`` are single tokens), and the tokenizer
+carries a ChatML chat template whose turns end with ``<|im_end|>`` (also the eos token). Nothing is downloaded.
 
 Tests import :func:`make_hf_model` to build each architecture.
 """
@@ -53,13 +53,16 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 
 
 def corpus(seed: int = 0, lines: int = 4000) -> list[str]:
-    """Text like the tiny envs' prompts and answers, as multi-line documents, for the BPE's merges."""
+    """Text like the tiny envs' prompts and answers, as multi-line documents, for the BPE's merges: their words,
+    numbers and tool calls, but not reverse-text's random letter strings. Merges learned from those (``"cb"``,
+    ``" a"``, ``"de"``) cut a string and its reverse into different tokens, and the recipe of
+    examples/hf_model.toml then hardly learns: measured on 2026-12-05 (docs/benchmarks.md, bench_quickstart),
+    +0.04 reward over 200 steps with such merges and +0.31 without them, everything else equal."""
     rng = random.Random(seed)
     out = []
     for _ in range(lines):
-        word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 8)))
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        out += [f"reverse {word}:\n{word[::-1]}\n", f"{a} + {b} = {a + b}.\n\n", f"What is {a} * {b}?\n{a * b}\n",
+        out += ["reverse", f"{a} + {b} = {a + b}.\n\n", f"What is {a} * {b}?\n", f"Answer:\n{a * b}\n",
                 '<tool_call>{"name": "calc", "arguments": {"expression": "' + f"{a}*{b}" + '"}}</tool_call>\n']
     out.append(string.printable)
     return out

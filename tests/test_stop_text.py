@@ -9,22 +9,23 @@ tests/test_vllm.py.
 
 import asyncio
 import random
+import subprocess
+import sys
 
 import pytest
 from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from i3core import hookimpl
-from i3core.config import load_config
-from i3core.loop.run import execute, stop_strings, stop_token_ids
+from i3core.loop import rollouts
+from i3core.loop.run import stop_strings, stop_token_ids
 from i3core.plugins.inference.client import InferenceClient
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.local import LocalClient
 from i3core.plugins.inference.server import builtin_server, make_app
 from i3core.plugins.models.hf import HF
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, build_tokenizer, token_id
-from i3core.testing import make_component, plugin_manager
+from i3core.testing import make_component
 from i3core.text import MAX_SPLIT_TOKENS, REPLACEMENT, Detokenizer, completion_text, end_ids
 
 from .conftest import ROOT
@@ -144,13 +145,13 @@ def test_the_engine_stops_at_a_stop_string_across_tokens(tokenizers, hf_dir, tmp
     # the BPE: "\n" merged with ":" into one token; the stop text's own token is another one
     server = scripted_server("bpe", hf_dir, tmp_path)
     tok, model = tokenizers["bpe"], server.engine.model
-    script = bpe_ids(tok, "cb", "a", ":\n", "x", "y")
-    assert script[2] not in tok.encode("\n").ids  # what stop_token_ids = encode(stop_text) missed
+    script = bpe_ids(tok, "c", "b", "a", ":\n", "x", "y")
+    assert script[3] not in tok.encode("\n").ids  # what stop_token_ids = encode(stop_text) missed
     prompt = tok.encode("reverse abc:").ids
     model.start, model.script = len(prompt), script
     seq = run_engine(server.engine, Request(prompt, 20, 0.0, tuple(end_ids(ScriptedHF(HF.Config(path=hf_dir)))),
                                             stop=("\n",)))
-    assert (seq.finish_reason, seq.text, seq.token_ids) == ("stop", "cba:", script[:3])
+    assert (seq.finish_reason, seq.text, seq.token_ids) == ("stop", "cba:", script[:4])
 
 
 def test_a_stream_never_sends_half_a_character(tokenizers, hf_dir, tmp_path):
@@ -186,7 +187,7 @@ def scripts(which: str, tokenizer, answer: str) -> list[tuple[str, list[int], st
         ("newline", [*newline, *enc("zz")], "stop", text),
         ("eos", [*enc(answer), tokenizer.token_to_id(IM_END), *enc("zz")], "stop", answer),
         ("split character", [*split, *enc("\nzz")], "stop", answer + "é"),
-        ("length", enc(answer + "abcdefghabcdefgh"), "length", None),
+        ("length", enc(answer + "abcdefgh" * 8), "length", None),
     ]
 
 
@@ -238,6 +239,7 @@ def assert_scored_alike(rollouts: list, completions: list) -> None:
         assert rollout.completion_ids == first.completion_ids == done.token_ids
         assert rollout.completion_mask == first.completion_mask == [True] * len(first.completion_ids)
         assert rollout.reward == first.reward
+        assert rollout.finish_reason == first.finish_reason == done.finish_reason
         assert (completion.text, completion.token_ids, completion.finish_reason) == (
             done.text, done.token_ids, done.finish_reason)
 
@@ -297,51 +299,47 @@ def test_every_route_stops_at_every_eos_id_by_default(tmp_path):
 # -- a run -------------------------------------------------------------------------------------------------------
 
 
-class Rollouts:
-    """Every rollout a run's orchestrator finishes."""
-
-    def __init__(self):
-        self.seen = []
-
-    @hookimpl
-    def i3_on_rollout_finished(self, rollout):
-        self.seen.append(rollout)
-
-
-def assert_stopped_at_the_stop_text(rollouts, tokenizer, stop: str, max_tokens: int, eos: list[int]):
-    """Each rollout's text holds no stop text; where its tokens' text holds it, the last token completed it.
-    How many stopped there, and how many of those on a token that holds more than the stop text."""
+def assert_stopped_at_the_stop_text(lines: list[dict], tokenizer, stop: str, max_tokens: int,
+                                    eos: list[int]) -> tuple[int, int]:
+    """The lines of a run's rollouts/step_N.jsonl: each completion holds no stop text, and is the text of its
+    tokens; where its tokens' text holds the stop text, the last token completed it and the finish reason is
+    ``stop``. How many stopped there, and how many of those on a token that holds more than the stop text."""
     stopped = merged = 0
-    for r in rollouts:
-        ids = r.completion_ids
-        assert stop not in r.completion_text, r.completion_text
-        assert r.completion_text == completion_text(tokenizer, ids, stop_token_ids=eos, stop=[stop])
-        assert all(r.completion_mask)
-        whole = tokenizer.decode(ids, skip_special_tokens=False)
-        if stop in whole:  # it stopped there: the stop text appears only with the last token
-            assert stop not in tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    for line in lines:
+        ids, text = line["completion_ids"], line["completion"]
+        assert stop not in text, line
+        assert text == completion_text(tokenizer, ids, stop_token_ids=eos, stop=[stop])
+        assert line["loss_mask"] == [True] * len(ids)  # the mask ends where the tokens end: at the stop
+        if stop in tokenizer.decode(ids, skip_special_tokens=False):  # it stopped there
+            assert stop not in tokenizer.decode(ids[:-1], skip_special_tokens=False), line
+            assert line["finish_reason"] == "stop", line
             stopped += 1
             merged += tokenizer.decode(ids[-1:], skip_special_tokens=False) != stop
+        elif ids and ids[-1] in eos:
+            assert line["finish_reason"] == "stop", line
         else:
-            assert len(ids) == max_tokens or ids[-1] in eos
+            assert line["finish_reason"] == "length" and len(ids) == max_tokens, line
     return stopped, merged
 
 
 def run_stops_on_merged_tokens(hf_dir, tmp_path, *inference: str) -> None:
     """A short run on examples/hf_model.toml with the ``inference`` overrides, no SFT: a random model writes every
-    kind of token, merged newlines (":\\n", ".\\n\\n", "?\\n") among them; every rollout stops at the stop text."""
-    recorder = Rollouts()
-    sets = [f"run.output_dir='{tmp_path / 'run'}'", f"model.path='{hf_dir}'", "run.max_steps=2", "sft.steps=0",
+    kind of token, merged newlines (":\\n", ".\\n\\n", "?\\n") among them; its rollouts (rollouts/step_N.jsonl)
+    stop at the stop text."""
+    out = tmp_path / "run"
+    sets = [f"run.output_dir='{out}'", f"model.path='{hf_dir}'", "run.max_steps=2", "sft.steps=0",
             "scheduler.batch_size=64", "scheduler.group_size=8", "env.max_tokens=12", "env.min_len=3",
             "env.max_len=5", *inference]
-    config, plugins = load_config(ROOT / "examples" / "hf_model.toml", sets, plugin_manager(recorder))
-    assert execute(config, plugins) == 0
+    proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "hf_model.toml"),
+                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     model = make_component("model", "hf", path=str(hf_dir))
     tokenizer = model.tokenizer()
-    merged = [t for t, i in tokenizer.get_vocab().items() if "Ċ" in t and t != "Ċ"]
+    merged = [t for t in tokenizer.get_vocab() if "Ċ" in t and t != "Ċ"]
     assert len(merged) >= 3  # the BPE merged newlines with their neighbours
-    stopped, merged = assert_stopped_at_the_stop_text(recorder.seen, tokenizer, "\n", 12, end_ids(model))
-    assert len(recorder.seen) >= 128 and stopped > merged > 0
+    lines = [line for step in (1, 2) for line in rollouts.read(out, step)[1] if line["completion_ids"]]
+    stopped, merged = assert_stopped_at_the_stop_text(lines, tokenizer, "\n", 12, end_ids(model))
+    assert len(lines) >= 128 and stopped > merged > 0
 
 
 @pytest.mark.slow
