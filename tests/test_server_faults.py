@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
