@@ -186,6 +186,7 @@ class Engine(EngineBase):
         super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version)
         self.model = model.eval()
         self.cache = model.new_kv_cache(max_slots, max_len)
+        self._tensors = dict(model.named_parameters())
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -266,9 +267,16 @@ class Engine(EngineBase):
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Swap weights between two steps; running sequences continue under ``version``.
 
-        The staged tensors become the live ones (no copy), so the engine stands still only for the swap.
+        The staged tensors become the live ones (no copy), so the engine stands still only for the swap. A state
+        of some of the module's tensors (an adapter on a frozen base, already checked by ``state_dict_from_hf``)
+        swaps those alone: the pause is that of the adapter's few tensors, not of the whole module's walk.
         """
-        self.model.load_state_dict(state, assign=True)
+        if state.keys() < self._tensors.keys():
+            for name, tensor in state.items():
+                self._tensors[name].data = tensor
+        else:
+            self.model.load_state_dict(state, assign=True)
+            self._tensors = dict(self.model.named_parameters())
         self.version = version
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
