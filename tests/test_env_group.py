@@ -167,7 +167,8 @@ def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(
 
     env = make_component("env", "group", plugins=builtins, members=[{"use": "arithmetic"}])
     env.members["arithmetic"].rubric.add_group_reward_func(rank)
-    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0))
+    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0, keep_rollouts=False,
+                                                 rollouts_max_mb=1.0), get=lambda section: None)
     orchestrator = Orchestrator(config, builtins, env, None, None, [], [])
     example = env.examples()[0]
     tok = build_tokenizer()

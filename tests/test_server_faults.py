@@ -235,8 +235,9 @@ def test_local_an_engine_that_breaks_fails_every_waiting_rollout_and_the_run(mod
 
     client = local_client(model_dir, raise_at=4)
     env = make_component("env", "reverse-text", plugins=builtins)
-    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0),
-                             trainer=SimpleNamespace(share_prompts=False))
+    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0, keep_rollouts=False,
+                                                 rollouts_max_mb=1.0),
+                             trainer=SimpleNamespace(share_prompts=False), get=lambda section: None)
     slot = ClientSlot(client, LOCAL_URL)
     orchestrator = Orchestrator(config, builtins, env, None, None, [slot], [])
 
