@@ -242,6 +242,14 @@ class Model(Protocol):
     :func:`i3core.packed.attention_mask` does (prefix trees as well as packed samples); the orchestrator then
     packs the completions of one prompt as a tree (``[trainer] share_prompts``). Without it, samples are packed
     side by side.
+
+    Optional, for a model that trains an adapter on a frozen base (``hf``'s ``[model.lora]``): its module's frozen
+    parameters have ``requires_grad`` off, so the trainer's optimizer, checkpoints and versions hold the trainable
+    tensors alone; ``base_identity()`` (``{"path", "sha256"}``) is saved with each checkpoint and a resume onto
+    another base is refused; :meth:`save_hf` and :meth:`hf_tensors` give the adapter (PEFT's directory and
+    names) and ``state_dict_from_hf`` turns those back into a state of the adapter's tensors alone, which the
+    builtin engine swaps in without touching the base; ``save_merged(adapter_dir, path)`` writes the base with
+    the adapter merged (``i3core export --merge``).
     """
 
     def build(self, seed: int = 0) -> CausalLM:
