@@ -296,7 +296,7 @@ def test_a_resumed_stream_draws_the_untrained_prompts_again_first_and_keeps_the_
 def test_resume_rebuilds_the_rows_of_steps_the_checkpoint_holds_but_metrics_jsonl_lacks(tmp_path):
     """The trainer checkpointed step 3, then the run died (or the disk filled) before the orchestrator wrote
     row 3: the row is rebuilt from the step's saved orchestrator and trainer metrics."""
-    from i3core.loop.run import _restore_missing_rows
+    from i3core.loop.resume import _restore_missing_rows
     from i3core.loop.paths import RunPaths
 
     paths = RunPaths(tmp_path)
