@@ -56,7 +56,7 @@ def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path, cluster):
     headers = re.findall(r"^#SBATCH (.*)$", text, re.M)
     assert headers.count("hetjob") == 2 and headers.count("--partition=h200") == 2
     assert "--nodes=2" in headers and "--nodes=3" in headers and "--gpus-per-node=4" in headers
-    assert "torchrun --nnodes=2 --nproc-per-node=4" in text and "-m i3core.loop.trainer" in text
+    assert "torch.distributed.run --nnodes=2 --nproc-per-node=4" in text and "-m i3core.loop.trainer" in text
     assert f'CONFIG="{cluster}"' in text and f"#SBATCH --chdir={tmp_path}" in text
     assert 'i3core inference "$CONFIG" --index "$i" --port 8000 --host 0.0.0.0 --resume' in text
     assert 'i3core orchestrator "$CONFIG" --servers "${SERVERS[@]}" --resume' in text
@@ -83,7 +83,7 @@ def test_slurm_cpu_nodes_and_every_option(tmp_path, cluster):
     assert {"--time=1-00:00:00", "--account=rl", "--qos=high", "--mail-type=END", "--signal=B:TERM@300",
             "--cpus-per-task=2"} <= set(headers)
     assert headers.index("--qos=high") < headers.index("hetjob")  # job-wide options in the first component
-    assert "torchrun --nnodes=1 --nproc-per-node=3" in text and ':29600" --rdzv-id' in text
+    assert "torch.distributed.run --nnodes=1 --nproc-per-node=3" in text and ':29600" --rdzv-id' in text
     assert "http://$node:8123" in text and "--port 8123" in text
     script = tmp_path / "job.sbatch"
     script.write_text(text)

@@ -9,8 +9,9 @@ Continuing is four moves, always in this order:
    ``i3core run --resume`` is an error; a role started with ``--resume`` starts the
    run over (a job requeued before its first checkpoint).
 2. **Check** (:func:`check_unchanged`): the config is the one the run started with
-   (the sections whose state or data order a checkpoint depends on), and N is short
-   of ``run.max_steps``.
+   (the sections whose state or data order a checkpoint depends on). ``i3core run
+   --resume`` also wants N short of ``run.max_steps``; the roles finish such a run
+   (the orchestrator writes the rows it had not written, the trainer stops).
 3. **Rewind** (:func:`rewind`): undo what the run did after N, before anything reads
    it: the batches the orchestrator cut for later steps with their saved states, the
    trainer's metrics of later steps, weight versions N and later (version N is
@@ -103,13 +104,9 @@ def refuse_fresh_start_over(out: Path) -> None:
 # -- 2. check -----------------------------------------------------------------------------------------------
 
 
-def check_unchanged(config: RunConfig, step: int) -> None:
+def check_unchanged(config: RunConfig) -> None:
     """The sections of :data:`RESUME_FIXED` and ``run.seed`` as the run started (its ``config.resolved.json``);
-    ``run.max_steps`` only with a constant learning rate after warm-up (a decay's horizon is ``max_steps``), and
-    beyond ``step``."""
-    if step >= config.run.max_steps:
-        raise I3Error(f"checkpoint step_{step} is already at run.max_steps = {config.run.max_steps}: nothing to "
-                      "resume (raise run.max_steps to train on)")
+    ``run.max_steps`` only with a constant learning rate after warm-up (a decay's horizon is ``max_steps``)."""
     saved = config.run.out / "config.resolved.json"
     if not saved.exists():
         return
@@ -195,8 +192,11 @@ def prepare(config: RunConfig, required: bool) -> int | None:
         log.info("no checkpoint: the run starts over", output_dir=str(out))
         rewind(out, 0)
         return None
-    check_unchanged(config, step)
-    if required:  # `i3core run`: its orchestrator continues from the state saved with the checkpoint
+    check_unchanged(config)
+    if required:  # `i3core run`: a run to continue, its orchestrator from the state saved with the checkpoint
+        if step >= config.run.max_steps:
+            raise I3Error(f"checkpoint step_{step} is already at run.max_steps = {config.run.max_steps}: nothing to "
+                          "resume (raise run.max_steps to train on)")
         orchestrator_state(out, step)
     rewind(out, step)
     return step

@@ -192,5 +192,5 @@ async def _serve_version(clients, orchestrator, version: int) -> None:
         try:
             if (await slot.client.health()).get("version") != version:
                 await slot.client.update_weights(path, version)
-        except ServerError as exc:
-            log.warning("a server could not be brought to the resumed version", url=slot.url, error=str(exc))
+        except ServerError as exc:  # not up yet: a server started now loads the version itself
+            log.info("a server does not answer yet", url=slot.url, error=str(exc))

@@ -531,7 +531,7 @@ def main(argv=None) -> int:
             step = resume.start_step(config.run.out, required=False) if args.resume == "latest" \
                 else _step_arg(args.resume)
             if step is not None:
-                resume.check_unchanged(config, step)
+                resume.check_unchanged(config)
         trainer = Trainer(config, resume_step=step, rewind=args.resume is not None)
         signal.signal(signal.SIGTERM, trainer.on_sigterm)
         trainer.run()
