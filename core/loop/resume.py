@@ -34,9 +34,12 @@ job script sets to ``JOBID.RESTARTS``; without it, the newest marker) and start 
 its step (:func:`wait_for_attempt`): they never read what the trainer is about to undo.
 
 Roles that restart alone (Kubernetes restarts one failed pod): a trainer that starts a
-new attempt under a running orchestrator has rewound the run beneath it, so the
-orchestrator exits with :data:`RESTART_EXIT` and, restarted with ``--resume``, follows
-(:func:`changed_attempt`); an orchestrator restarted while the trainer went on past
+new attempt under a running orchestrator rewinds the run beneath it. It marks the
+attempt as starting first (the marker without a step, :func:`claim`) and gives an older
+orchestrator :data:`CLAIM_GRACE_S` to see it before it rewinds; the orchestrator checks
+the marker before it cuts each batch, so it writes none the rewind would miss, and exits
+with :data:`RESTART_EXIT` to be restarted with ``--resume`` and follow
+(:func:`changed_attempt`). An orchestrator restarted while the trainer went on past
 the marker's step cannot continue those steps (their batches' state died with it), so
 it asks the trainer for a new attempt (:func:`request_restart`): the trainer
 checkpoints its last step and exits with :data:`RESTART_EXIT`, to be restarted with
@@ -67,6 +70,9 @@ ATTEMPT_ENV = "I3CORE_ATTEMPT"
 RESTART_EXIT = 75
 """A role's exit code meaning "restart me with --resume" (EX_TEMPFAIL): the trainer asked by a restarted
 orchestrator, or an orchestrator whose trainer started a new attempt."""
+CLAIM_GRACE_S = 2.0
+"""Between a new attempt's claim and its rewind: an orchestrator of the attempt before notices it (it checks before
+every batch it cuts) and stops cutting."""
 ATTEMPT_TIMEOUT_S = 3600.0
 """How long a role waits for its attempt's marker (the trainer may still be queued, loading, or in its SFT)."""
 POLL_S = 0.5
@@ -218,10 +224,11 @@ def orchestrator_state(out: Path, step: int | None) -> OrchestratorState | None:
 
 @dataclass
 class Attempt:
-    """One start of the run's trainer: its id and the version it published first (the step it resumed from)."""
+    """One start of the run's trainer: its id and the version it published first (the step it resumed from;
+    None while it is starting: rewinding, loading, in its SFT)."""
 
     attempt: str
-    step: int
+    step: int | None
 
     @classmethod
     def read(cls, paths: RunPaths) -> "Attempt | None":
@@ -232,8 +239,22 @@ class Attempt:
 
 
 def attempt_id() -> str:
-    """This attempt's id: ``$I3CORE_ATTEMPT``, or one made up (a trainer started by hand or by Kubernetes)."""
-    return os.environ.get(ATTEMPT_ENV) or uuid.uuid4().hex[:12]
+    """This attempt's id: ``$I3CORE_ATTEMPT``, or one made up once per process (a trainer started by hand or by
+    Kubernetes)."""
+    if not os.environ.get(ATTEMPT_ENV):
+        os.environ[ATTEMPT_ENV] = uuid.uuid4().hex[:12]
+    return os.environ[ATTEMPT_ENV]
+
+
+def claim(paths: RunPaths) -> Attempt:
+    """The trainer starts an attempt: the marker names it, with no step yet. An orchestrator of an earlier attempt
+    stops cutting batches; the rewind comes :data:`CLAIM_GRACE_S` later, if there was one."""
+    earlier = Attempt.read(paths)
+    attempt = Attempt(attempt_id(), None)
+    atomic_write_bytes(paths.attempt(), json.dumps(asdict(attempt)).encode())
+    if earlier is not None and earlier.attempt != attempt.attempt:
+        time.sleep(CLAIM_GRACE_S)
+    return attempt
 
 
 def announce(paths: RunPaths, step: int) -> Attempt:
@@ -252,7 +273,7 @@ def wait_for_attempt(paths: RunPaths, after: Attempt | None = None, timeout_s: f
     log.info("waiting for the trainer's attempt", attempt=wanted or "newest", marker=str(paths.attempt()))
     while True:
         attempt = Attempt.read(paths)
-        if attempt is not None and (wanted is None or attempt.attempt == wanted) and (
+        if attempt is not None and attempt.step is not None and (wanted is None or attempt.attempt == wanted) and (
                 after is None or attempt.attempt != after.attempt):
             return attempt
         if time.monotonic() > deadline:

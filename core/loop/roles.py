@@ -132,7 +132,8 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bo
     paths.make()
 
     def finish() -> None:  # as `i3core run` does before its lifecycle ends: the trainer told to stop, the plots
-        paths.request_stop()
+        if attempt is None or resume_path.changed_attempt(paths, attempt) is None:  # not a trainer to follow
+            paths.request_stop()
         _plot(run.output_dir)
 
     with lifecycle(run, before_end=finish):
@@ -144,7 +145,8 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bo
         stop_ids = stop_token_ids(model, env)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
-                                    sandbox_backend=run.components.get("sandbox"), model=model, resume=start)
+                                    sandbox_backend=run.components.get("sandbox"), model=model, resume=start,
+                                    before_cut=None if attempt is None else lambda: _still(paths, attempt))
 
         async def drive():
             try:
@@ -167,17 +169,22 @@ class TrainerRestarted(I3Error):
     exit_code = resume_path.RESTART_EXIT
 
 
+def _still(paths: RunPaths, attempt) -> None:
+    """:raises TrainerRestarted: the trainer started another attempt than ``attempt``."""
+    newer = resume_path.changed_attempt(paths, attempt)
+    if newer is not None:
+        raise TrainerRestarted(f"the trainer started attempt {newer.attempt}: restart the orchestrator with "
+                               f"--resume to follow it (exit {resume_path.RESTART_EXIT})")
+
+
 async def _following(main, paths: RunPaths, attempt) -> None:
     """Run ``main`` (the orchestrator) while the trainer's attempt stays ``attempt``."""
     task = asyncio.ensure_future(main)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=resume_path.POLL_S)
-            newer = resume_path.changed_attempt(paths, attempt)
-            if newer is not None and not task.done():
-                raise TrainerRestarted(f"the trainer started attempt {newer.attempt} from step {newer.step}: "
-                                       f"restart the orchestrator with --resume to follow it (exit "
-                                       f"{resume_path.RESTART_EXIT})")
+            if not task.done():
+                _still(paths, attempt)
         task.result()
     finally:
         task.cancel()

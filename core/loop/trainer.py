@@ -451,6 +451,7 @@ class Trainer:
         start = self.resume_step or 0
         if self.rank == 0:
             if self.rewind:
+                resume.claim(self.paths)
                 resume.rewind(self.config.run.out, start)
             checkpoint.clear_staging(self.paths.checkpoints)
         self._all_ok(True)  # no rank looks for a batch before the rewind
