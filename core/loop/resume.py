@@ -13,8 +13,8 @@ Continuing is four moves, always in this order:
    --resume`` also wants N short of ``run.max_steps``; the roles finish such a run
    (the orchestrator writes the rows it had not written, the trainer stops).
 3. **Rewind** (:func:`rewind`): undo what the run did after N, before anything reads
-   it: the batches the orchestrator cut for later steps with their saved states, the
-   trainer's metrics of later steps, weight versions N and later (version N is
+   it: the batches the orchestrator cut for later steps with their saved states and
+   rollouts, the trainer's metrics of later steps, weight versions N and later (version N is
    published again), rows of later steps in metrics.jsonl (rows up to N that never
    reached it are rebuilt from the saved step states), STOP and RESTART. Steps after N
    are then trained once more, from the checkpoint: a step the trainer had not
@@ -145,7 +145,7 @@ def rewind(out: Path, step: int) -> None:
     for batch in paths.batches.glob("step_*.pt") if paths.batches.is_dir() else ():
         if _step_of(batch) in cut and _step_of(batch) > step:
             batch.unlink(missing_ok=True)
-    for folder in (paths.orchestrator, paths.trainer):
+    for folder in (paths.orchestrator, paths.trainer, paths.rollouts):
         checkpoint.drop_after(folder, step)
     checkpoint.drop_after(paths.broadcasts, step - 1)  # version N too: published again, nothing loads the old copy
     metrics = out / "metrics.jsonl"
