@@ -200,3 +200,24 @@ def test_a_lost_trainer_fails_the_job_and_a_resubmission_resumes(cluster_config,
     assert info["JobState"] == "COMPLETED", again.logs()
     assert_every_step_trained_once(again.out)
     assert json.loads((again.out / "ATTEMPT.json").read_text()) == {"attempt": f"{again.id}.0", "step": last}
+
+
+def test_sigterm_before_the_time_limit_checkpoints_and_the_job_requeues_itself(cluster_config, jobs):
+    """What ``--signal=B:TERM@120`` delivers before a time limit, sent now: SIGTERM to the job script alone."""
+    jobs.append(job := Job(cluster_config))
+    job.wait_for_step(3)
+    term = subprocess.run(["scancel", "--signal=TERM", "--batch", job.id], capture_output=True, text=True,
+                          timeout=20)
+    assert term.returncode == 0, term.stderr
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.logs()
+    output = job.output.read_text()
+    assert "i3core: SIGTERM (JobState=RUNNING): the trainer checkpoints its last step" in output, job.logs()
+    assert f"i3core: job {job.id} requeues itself" in output
+    trainer_log = (job.out / "logs" / f"trainer-{job.id}-0.log").read_text()
+    stopped = re.search(r"error: stopped on SIGTERM: checkpoint step_(\d+) written", trainer_log)
+    assert stopped, job.logs()
+    # the second attempt started from the checkpoint the SIGTERM wrote, not an older one
+    assert json.loads((job.out / "ATTEMPT.json").read_text()) == {"attempt": f"{job.id}.1",
+                                                                  "step": int(stopped.group(1))}
+    assert_every_step_trained_once(job.out)
