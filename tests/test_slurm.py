@@ -3,8 +3,8 @@
 Needs a running Slurm cluster whose nodes are named in ``$SLURM_CONF`` and share this filesystem: CI starts three
 nodes on one machine with ``.ci/slurm-cluster`` (docs/deploy.md, "How CI runs its cluster"). Without one the tests
 skip, unless ``I3CORE_REQUIRE_SLURM=1`` makes that a failure. Each scenario is the cluster quickstart: 6 steps of
-reverse-text, one builtin server, checkpoints every 2 steps; the trainer, the server and the orchestrator each get
-a node of their own.
+reverse-text (no SFT warm start), one builtin server, checkpoints every 2 steps; the trainer, the server and the
+orchestrator each get a node of their own.
 """
 
 import json
@@ -19,8 +19,8 @@ import pytest
 from i3core.loop import checkpoint
 from i3core.loop.checkpoint import OrchestratorState
 
-from .conftest import QUICKSTART_LOCAL, ROOT, assert_ledger, read_metrics, run_cli
-from .test_roles import free_port
+from .conftest import assert_ledger, read_metrics, run_cli
+from .test_roles import free_port, role_config
 
 REQUIRE_ENV = "I3CORE_REQUIRE_SLURM"
 STEPS = 6
@@ -51,16 +51,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow,
 
 @pytest.fixture
 def cluster_config(tmp_path):
-    """The quickstart as a cluster runs it (one builtin server), 6 steps, checkpoints every 2."""
-    text = (ROOT / "examples" / "quickstart.toml").read_text()
-    for old, new in {'output_dir = "runs/quickstart"': f'output_dir = "{tmp_path / "run"}"',
-                     "max_steps = 200": f"max_steps = {STEPS}", "[sft]\nsteps = 15": "[sft]\nsteps = 5",
-                     "[trainer]\n": "[trainer]\ncheckpoint_every = 2\n",
-                     QUICKSTART_LOCAL: '[inference]\nuse = "builtin"\nservers = 1\n#'}.items():
-        assert old in text
-        text = text.replace(old, new)
-    path = tmp_path / "cluster.toml"
-    path.write_text(text)
+    """The quickstart as the roles run it (one builtin server), 6 steps, checkpoints every 2."""
+    path = role_config(tmp_path, STEPS)
+    path.write_text(path.read_text().replace("[trainer]\n", "[trainer]\ncheckpoint_every = 2\n"))
     return path
 
 
