@@ -85,9 +85,10 @@ def serve(config: RunConfig, index: int, port: int, host: str | None, resume: bo
     if callable(probe):
         probe()
     model = config.get("model")
-    cmd = source.command(index, port, sync.location(paths.broadcasts, version), version, None,
-                         None if model is None else model.to_dict())
-    env = source.environment(index, version, None) or dict(os.environ)
+    model = None if model is None else model.to_dict()
+    first = sync.location(paths.broadcasts, version)
+    cmd = source.command(index, port, first, version, None, model)
+    env = source.environment(index, version, None, first, model) or dict(os.environ)
     log.info("starting inference server", index=index, version=version, command=" ".join(cmd))
     os.execvpe(cmd[0], cmd, env)
 
@@ -108,7 +109,7 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bo
     trainer (:mod:`i3core.loop.resume`): exits with ``RESTART_EXIT`` when the trainer starts a new attempt, and
     asks for one when the trainer went on past its attempt's step without this orchestrator."""
     from i3core.loop.orchestrator import ClientSlot, Orchestrator
-    from i3core.loop.run import _plot, build, lifecycle, stop_token_ids
+    from i3core.loop.run import _plot, build, lifecycle, stop_strings, stop_token_ids
 
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
@@ -142,8 +143,8 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bo
             _first_version(sync, paths, resume=False)
         model, env = run.components["model"], run.components["env"]
         tokenizer = model.tokenizer()
-        stop_ids = stop_token_ids(model, env)
-        clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
+        stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
+        clients = [ClientSlot(source.client(url, tokenizer, stop_ids, stop), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
                                     sandbox_backend=run.components.get("sandbox"), model=model, resume=start,
                                     before_cut=None if attempt is None else lambda: _still(paths, attempt))

@@ -8,7 +8,10 @@ client is one class:
 
 - ``POST /v1/completions``: token-id (or text) prompts, tokens in, tokens out;
   every token comes back with its logprob (after temperature, vLLM's
-  ``processed_logprobs``) and the policy version that sampled it;
+  ``processed_logprobs``) and the policy version that sampled it; ``stop``
+  strings are vLLM's own, ``stop_token_ids`` default to every eos id (the
+  tokenizer's and generation_config's, where vLLM stops), and the text is
+  :func:`i3core.text.completion_text` of the tokens, as the builtin server's;
 - ``POST /update_weights`` ``{"path", "version"}`` or, with a broadcast
   receiver, ``{"version"}``; ``POST /pause``, ``POST /resume``; ``GET /health``
   (JSON with the live version); ``GET /i3/metrics``. The weight and pause routes ask for the run's admin token
@@ -21,6 +24,13 @@ they are), has the worker extension
 and apply the weights, and resumes: the same sequences go on under the new
 version. The worker reports how many tokens each request had produced at that
 moment, which is where that request's tokens change version.
+
+A run that trains a LoRA adapter starts vLLM on the base with LoRA enabled and
+``I3CORE_VLLM``'s ``adapter`` naming version 0's adapter directory. Every
+version is then an adapter that ``/update_weights`` loads through vLLM's
+adapter API (``add_lora``, read under the version's reader lease); nothing is
+paused and no base weight is touched. A request runs to its end on the adapter
+that was live when it started, so every token's version is that adapter's.
 """
 
 import asyncio
@@ -33,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from i3core.lifetime import ADMIN_TOKEN_ENV
+from i3core.text import completion_text
 from i3core.plugins.inference.protocol import (
     BadRequest,
     CompletionRequest,
@@ -87,6 +98,9 @@ class I3Endpoints:
         self.receiver = settings.get("receiver")
         self.rank = int(settings.get("rank", 1))
         self.prefix_caching = bool(settings.get("prefix_caching", False))
+        self.adapter = settings.get("adapter")
+        """Version 0's adapter directory when vLLM serves a LoRA run (then :attr:`lora` is the live adapter)."""
+        self.lora = None
         self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
         self.weight_roots: list[Path] = []
         """Where ``/update_weights`` may read: the directory holding the served version (the run's versions)."""
@@ -95,6 +109,8 @@ class I3Endpoints:
         self.vocab_size = 0
         self.max_len = 0
         self.tokenizer = None
+        self.eos_ids: list[int] = []
+        """Where a completion stops when the request names no ``stop_token_ids``: as vLLM stops by default."""
         self.active: dict[str, Tracked] = {}
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
@@ -126,10 +142,17 @@ class I3Endpoints:
             return
         config = engine_client.model_config
         self.model_name = str(config.served_model_name or config.model)
-        self.weight_roots = [Path(config.model).resolve().parent]
+        served = Path(self.adapter if self.adapter is not None else config.model)  # a LoRA run: its adapters
+        self.weight_roots = [served.resolve().parent]
         self.vocab_size = config.get_vocab_size()
         self.max_len = config.max_model_len
         self.tokenizer = await _tokenizer(engine_client)
+        eos = config.try_get_generation_config().get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = list(dict.fromkeys(i for i in [*eos, self.tokenizer.eos_token_id] if i is not None))
+        if self.adapter is not None:
+            await self._load_adapter(Path(self.adapter), self.version)
+            self.updates = 0  # the version it started from
         if self.receiver is not None:
             threading.Thread(target=self._receive_forever, args=(asyncio.get_running_loop(),),
                              name="weights-watcher", daemon=True).start()
@@ -157,7 +180,7 @@ class I3Endpoints:
     async def completions(self, body: dict) -> dict:
         request = parse(CompletionRequest, body)
         prompt_ids = request.prompt_ids(self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        sampling = request.sampling(self.max_len, self.vocab_size, [])
+        sampling = request.sampling(self.max_len, self.vocab_size, self.eos_ids)
         if len(prompt_ids) >= self.max_len:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) leaves no room under max_len ({self.max_len})")
         # Like the builtin server: a completion that reaches max_len stops there ("length").
@@ -165,8 +188,9 @@ class I3Endpoints:
         done = await asyncio.gather(*(self._generate(prompt_ids, sampling, i) for i in range(sampling.n)))
         self.requests_served += 1
         choices = [
-            completion_choice(i, self.tokenizer.decode(t.token_ids, skip_special_tokens=False), prompt_ids,
-                              t.token_ids, t.logprobs, t.versions(), finish)
+            completion_choice(i, completion_text(self.tokenizer, t.token_ids, stop_token_ids=sampling.stop_token_ids,
+                                                 stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens),
+                              prompt_ids, t.token_ids, t.logprobs, t.versions(), finish)
             for i, (t, finish) in enumerate(done)
         ]
         return envelope("text_completion", f"cmpl-i3-{self.requests_served}", self.model_name, choices, prompt_ids)
@@ -178,15 +202,15 @@ class I3Endpoints:
 
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, seed=sampling.seed_of(i),
-            stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, logprobs=0,
-            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+            stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, stop=list(sampling.stop) or None,
+            logprobs=0, skip_special_tokens=sampling.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
         request_id = f"i3-{next(self._ids)}"
         tracked = self.active[request_id] = Tracked(self.version)
         finish = None
         try:
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                                     request_id):
+                                                     request_id, lora_request=self.lora):
                 piece = output.outputs[0]
                 tracked.token_ids.extend(piece.token_ids)
                 tracked.logprobs.extend(lp[t].logprob for lp, t in zip(piece.logprobs or [], piece.token_ids))
@@ -209,7 +233,10 @@ class I3Endpoints:
         path = weights_path(path, self.weight_roots) if self.weight_roots else Path(path)
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
-                await self._apply(version, "i3_load_path", (path,))
+                if self.lora is not None:
+                    await self._load_adapter(Path(path), version)
+                else:
+                    await self._apply(version, "i3_load_path", (path,))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         self._waits.arrived(version)
@@ -237,6 +264,25 @@ class I3Endpoints:
                 "requests_served": self.requests_served}
 
     # -- updates --------------------------------------------------------------------
+
+    async def _load_adapter(self, path: Path, version: int) -> None:
+        """Have vLLM load the adapter directory ``path`` as ``version``; requests started from now on use it
+        (running ones keep theirs: their tokens are all of their own version).
+
+        :raises ValueError: vLLM refused the adapter (its one-line reason).
+        """
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"i3-v{version}", version + 1, str(path))
+        async with self._lock:
+            try:
+                loaded = await self.engine.add_lora(request)
+            except Exception as exc:  # vLLM hands a worker's exception back as a plain one
+                raise ValueError(f"vLLM cannot load the adapter {path}: {_first_line(exc)}") from None
+            if loaded is False:
+                raise ValueError(f"vLLM did not load the adapter {path}")
+            self.lora, self.version = request, version
+            self.updates += 1
 
     async def _apply(self, version: int, method: str, args: tuple) -> dict:
         """Pause (keep), run ``method`` on the worker, fence every running request, resume."""
