@@ -216,7 +216,10 @@ def trl_worker(spec_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["sft_dir"], dtype=torch.float32)
     i3_model = make_component("model", resolved["model"]["use"],
                               **{k: v for k, v in resolved["model"].items() if k != "use"})
-    model.generation_config.eos_token_id = stop_token_ids(i3_model, env)  # where i3core's servers stop
+    # where i3core's servers stop: its end ids, and the env's stop text (TRL stops on tokens: the text's, one
+    # token in tiny-moe's byte tokenizer)
+    model.generation_config.eos_token_id = [*stop_token_ids(i3_model, env),
+                                            *tokenizer.encode(env.stop_text, add_special_tokens=False)]
 
     def reward(prompts, completions, example_id, **_):
         return [env.score(c, by_id[i]) for c, i in zip(completions, example_id)]

@@ -129,6 +129,12 @@ class TinyMoE:
         return token_id(EOS)
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """Where every completion stops by default: ``generation_config.json``'s eos tokens, ``<|im_end|>`` and
+        ``<|endoftext|>`` (vLLM, serving the saved directory, stops at both)."""
+        return list(hf.generation_config()["eos_token_id"])
+
+    @property
     def end_of_turn_ids(self) -> list[int]:
         return [token_id(IM_END)]
 
