@@ -237,6 +237,7 @@ class Trainer:
                           "set sft.steps = 0")
         rng = random.Random(self.config.run.seed)
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        started = time.perf_counter()
         for step in range(1, cfg.steps + 1):
             samples = []
             for prompt, answer in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
@@ -255,7 +256,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
             optimizer.step()
             if self.rank == 0 and (step % 50 == 0 or step == cfg.steps):
-                print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4)}), flush=True)
+                print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4),
+                                  "sft_s": round(time.perf_counter() - started, 3)}), flush=True)
 
     # -- RL ------------------------------------------------------------------
 
