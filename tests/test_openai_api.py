@@ -23,7 +23,7 @@ from i3core.plugins.inference.server import builtin_server, make_app, model_comp
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.testing import plugin_manager
 
-from .conftest import i3core_serve
+from .conftest import ADMIN_TOKEN, i3core_serve
 
 NAME = "tiny-served"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Reverse 'abc'."}]
@@ -192,10 +192,13 @@ def test_token_in_generate_as_vllm_serves_it_with_session_versions(served):
                 assert response.status == 200
                 data = await response.json()
             async with session.get(url + "/inference/v1/sessions/episode-1") as response:
+                assert response.status == 401  # the session routes are the run's: they ask for the admin token
+            admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            async with session.get(url + "/inference/v1/sessions/episode-1", headers=admin) as response:
                 record = await response.json()
-            async with session.delete(url + "/inference/v1/sessions/episode-1") as response:
+            async with session.delete(url + "/inference/v1/sessions/episode-1", headers=admin) as response:
                 assert response.status == 200
-            async with session.get(url + "/inference/v1/sessions/episode-1") as response:
+            async with session.get(url + "/inference/v1/sessions/episode-1", headers=admin) as response:
                 assert response.status == 404
         return data, record
 

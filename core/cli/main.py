@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
     plot.set_defaults(func=cmd_plot)
 
+    rollouts = commands.add_parser("rollouts", help="print a run's rollouts of one step (rollouts/step_N.jsonl)",
+                                   description="Each rollout of a step as its env scored it: prompt, completion, "
+                                   "reward, advantage, finish reason, ledger outcome, token counts and versions.")
+    rollouts.add_argument("run_dir", type=Path, help="a run's output directory (holds rollouts/)")
+    rollouts.add_argument("--step", type=positive_int, default=None, help="which step (default: the newest kept)")
+    rollouts.add_argument("--limit", type=positive_int, default=None, help="print at most this many rollouts")
+    rollouts.set_defaults(func=cmd_rollouts)
+
     inference = commands.add_parser("inference", help="one inference server of the run (for clusters)",
                                     description="Wait for the trainer's version 0 in the shared output_dir, then "
                                     "become server INDEX of the [inference] rollout source.")
@@ -164,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an option of that component (repeatable; values parse as TOML)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send and responses echo (default: DIR)")
+    serve.add_argument("--api-key", default=None,
+                       help="a Bearer token /v1/* asks for, as vLLM's --api-key (default: $I3CORE_API_KEY; none: open)")
+    serve.add_argument("--enable-admin", action="store_true",
+                       help="serve the admin routes (/update_weights, /pause, /resume, sessions); they ask for "
+                            "--admin-token (default: off, 404)")
+    serve.add_argument("--admin-token", default=None,
+                       help="the Bearer token the admin routes ask for (default: $I3CORE_ADMIN_TOKEN)")
+    serve.add_argument("--weights-root", type=Path, action="append", default=[], metavar="DIR",
+                       help="a directory /update_weights may load from (repeatable; default: DIR's parent)")
+    serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                       help="on SIGTERM/SIGINT, seconds requests in flight may take before they get a 503")
     serve.set_defaults(func=cmd_serve)
 
     orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
@@ -294,6 +313,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                            "threads": args.threads, "served_model_name": args.served_model_name},
                              plugins)
     cmd = source.command(0, args.port, args.model_dir.resolve(), 0, None, model)
+    cmd += ["--log-format", "console", "--shutdown-grace-s", str(args.shutdown_grace_s),
+            *(f"--weights-root={root.resolve()}" for root in args.weights_root)]
+    # secrets travel in the environment, not on a command line every user of the machine can read
+    from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV
+
+    if args.api_key:
+        os.environ[API_KEY_ENV] = args.api_key
+    if args.admin_token:
+        os.environ[ADMIN_TOKEN_ENV] = args.admin_token
+    if not args.enable_admin:
+        cmd.append("--no-admin")
+    elif not os.environ.get(ADMIN_TOKEN_ENV):
+        raise I3Error(f"--enable-admin needs a token: give --admin-token or set ${ADMIN_TOKEN_ENV}")
     print(f"i3core serve: {args.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
 
@@ -388,6 +420,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     written = plot_run(args.run_dir, args.out)
     print("\n".join(str(path) for path in written))
+    return 0
+
+
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    from i3core.loop.rollouts import read, render
+
+    step, lines = read(args.run_dir, args.step)
+    print(render(step, lines[: args.limit]), end="")
     return 0
 
 

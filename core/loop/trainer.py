@@ -8,6 +8,11 @@ through the weight-sync plugin (every rank takes part: ``filesystem`` gathers
 and rank 0 writes ``broadcasts/step_N/`` + STABLE; ``broadcast`` streams the HF
 tensors layer by layer from rank 0) -> metrics.
 
+Unlike a textbook trainer, the model trains with every dropout and jitter
+off (``[trainer] disable_dropout``, the default): the engine samples without
+them, and a trainer logprob drawn with a random mask would bias every ratio
+(:func:`disable_dropout`).
+
 Before RL, an optional SFT warm start trains cross-entropy on the
 environment's demonstrations with the same model, packing and publishing;
 its result is published as version 0, the policy the servers start from.
@@ -20,6 +25,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -41,9 +47,29 @@ from i3core.loop.paths import RunPaths
 from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
+STOCHASTIC_ATTRS = re.compile(r"dropout|drop_?prob|pdrop|layerdrop|jitter", re.IGNORECASE)
+"""Float attributes of a module that make training random (transformers' ``attention_dropout``, OPT's ``dropout``
+and ``layerdrop``, Mixtral's ``jitter_noise``, ...): their forwards apply them only in train mode."""
 BATCH_POLL_S = 0.002
 """How often the trainer looks for its next batch: the wait is on the critical path of every step (a few
 microseconds of CPU a look)."""
+
+
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Turn off every dropout and jitter of ``model`` in place, while it stays in train mode (which activation
+    checkpointing and MoE auxiliary terms may read): each ``nn.Dropout*`` gets ``p = 0`` and every positive float
+    attribute named like :data:`STOCHASTIC_ATTRS` becomes 0. The model's config (what is published) is left as it
+    is. Returns what was turned off (``name.attr``)."""
+    off = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            off.append(f"{name or 'model'}.p")
+        for attr, value in list(vars(module).items()):
+            if type(value) is float and value > 0 and STOCHASTIC_ATTRS.search(attr):
+                setattr(module, attr, 0.0)
+                off.append(f"{name or 'model'}.{attr}")
+    return off
 
 
 def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0,
@@ -157,6 +183,10 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
+        if config.trainer.disable_dropout:
+            off = disable_dropout(self.model)
+            if off:
+                print(json.dumps({"dropout_off": len(off), "first": off[:4]}), flush=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._plain = None
         self.world = dist.get_world_size() if dist.is_initialized() else 1

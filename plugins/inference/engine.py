@@ -9,6 +9,11 @@ A finished sequence frees its slot at once, so a new request joins on the next
 step. Sampling is batched: one set of tensor ops per group of sequences with
 the same settings (:func:`sample`), a per-row draw only for seeded requests.
 
+Faults: an error that belongs to one sequence (its row of logits is not finite, the sampler fails on its row)
+finishes that sequence with ``finish_reason = "error"`` and a message in ``Sequence.error``; every other
+sequence goes on. Anything else a step raises (the model's forward failing) breaks the engine: it propagates
+out of :meth:`Engine.step` and whoever drives the engine fails every waiting caller.
+
 Weights can be swapped between two steps (:meth:`Engine.load_state`): running
 sequences keep their KV cache and continue under the new version, and every
 generated token records the policy version that sampled it.
@@ -60,6 +65,9 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Per generated token, the ``top_logprobs`` most likely ``(token id, logprob)`` (empty when not asked)."""
     finish_reason: str | None = None
+    """``stop``, ``length``, ``abort``, or ``error`` (then :attr:`error` says why)."""
+    error: str | None = None
+    """Why this sequence failed alone (non-finite logits, a sampler error); the engine went on."""
     generator: torch.Generator | None = None
 
     @property
@@ -146,7 +154,20 @@ class EngineBase(ABC):
             self._free.append(seq.slot)
         seq.finish_reason = seq.finish_reason or "abort"
 
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Finish ``seq`` alone with ``message`` (it was not sampled this step); its slot is freed and cleared."""
+        seq.finish_reason, seq.error = "error", message
+        self.running.pop(seq.id, None)
+        if seq.slot >= 0:
+            self._clear_slot(seq.slot)
+            self._free.append(seq.slot)
+
+    def _clear_slot(self, slot: int) -> None:
+        """Leave nothing of a failed sequence (NaN keys and values) for the slot's next occupant."""
+
     def _maybe_finish(self, seq: Sequence) -> bool:
+        if seq.finish_reason == "error":  # failed while sampling (:meth:`_fail`)
+            return True
         if seq.token_ids[-1] in seq.request.stop_token_ids:
             seq.finish_reason = "stop"
         elif len(seq.token_ids) >= seq.request.max_tokens or seq.length >= self.max_len:
@@ -201,9 +222,14 @@ class Engine(EngineBase):
             for seq in decoding:
                 if self._maybe_finish(seq):
                     finished.append(seq)
-                    del self.running[seq.id]
+                    self.running.pop(seq.id, None)
         self.steps += 1
         return finished
+
+    def _clear_slot(self, slot: int) -> None:
+        clear = getattr(self.cache, "clear_slots", None)  # optional, like copy_slots
+        if callable(clear):
+            clear(torch.tensor([slot]))
 
     def _prefill(self, length: int, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
         """Prefill ``seqs`` (prompts of ``length`` tokens) in one forward; ``(seqs, hidden [B, H])`` of each one's
@@ -266,13 +292,47 @@ class Engine(EngineBase):
             self._last = (version, published)
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """One token per sequence from ``hidden`` ``[B, H]``, recorded with its logprob and this version."""
-        for seq, (token, logprob, top) in zip(seqs, sample(self.model.logits(hidden).float(), seqs)):
+        """One token per sequence from ``hidden`` ``[B, H]``, recorded with its logprob and this version; a
+        sequence whose row cannot be sampled fails alone (:meth:`_fail`)."""
+        for seq, drawn in zip(seqs, sample_rows(self.model.logits(hidden).float(), seqs)):
+            if isinstance(drawn, str):
+                self._fail(seq, drawn)
+                continue
+            token, logprob, top = drawn
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
             if seq.request.top_logprobs:
                 seq.top_logprobs.append(top)
+
+
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float, list] | str]:
+    """:func:`sample` with each row's own failure as a message in its place: a row of ``logits`` ``[B, V]`` holding
+    NaN or +inf (or nothing but -inf), or a row the sampler fails on (found by sampling the rows one at a time once
+    the batch failed), never stops the other rows."""
+    broken = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
+    out: list = [None] * len(seqs)
+    rows = list(range(len(seqs)))
+    if bool(broken.any()):
+        for row in broken.nonzero().flatten().tolist():
+            out[row] = f"the model's logits are not finite (NaN or inf) at completion token {len(seqs[row].token_ids)}"
+        rows = [row for row in rows if out[row] is None]
+    if not rows:
+        return out
+    block = logits if len(rows) == len(seqs) else logits[rows]
+    try:
+        drawn = sample(block, [seqs[row] for row in rows])
+    except Exception:  # one row's fault (non-finite probabilities after temperature...): find it
+        drawn = []
+        for i, row in enumerate(rows):
+            try:
+                drawn.extend(sample(block[i : i + 1], [seqs[row]]))
+            except Exception as exc:  # noqa: BLE001 - the sampler's error is this sequence's
+                drawn.append(f"sampling failed at completion token {len(seqs[row].token_ids)}: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    for row, result in zip(rows, drawn):
+        out[row] = result
+    return out
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float, list[tuple[int, float]]]]:

@@ -19,32 +19,28 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.engine import Request, Sequence
+from i3core.plugins.inference.observability import TRACE
 from i3core.plugins.inference.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
+    REQUEST_MODELS,
+    ShuttingDown,
+    error_response,
     TOOL_CALL_OPEN,
-    UNSUPPORTED,
-    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
     Sampling,
-    check_fields,
     completion_choice,
     finite,
+    openapi,
+    parse,
     parse_json_object,
-    parse_messages,
-    parse_prompt,
-    parse_sampling,
-    parse_tools,
+    prompt_token_ids,
     split_tool_calls,
     usage,
 )
 
-GENERATE_FIELDS = ("token_ids", "sampling_params", "model", "request_id", "stream", "output_mode",
-                   "return_token_ids", "cache_salt", "priority")
-"""What ``/inference/v1/generate`` reads (``cache_salt`` and ``priority`` are accepted and ignored)."""
-SAMPLING_PARAMS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs",
-                   "skip_special_tokens", "detokenize", "ignore_eos", "include_stop_str_in_output")
-"""The ``sampling_params`` of ``/inference/v1/generate`` it reads (vLLM's names)."""
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 4096
 """Sessions whose versions are kept (the oldest is forgotten first): an env adapter reads its own at once."""
@@ -123,6 +119,38 @@ class TextStream:
         return end
 
 
+async def together(coroutines) -> list:
+    """Await every coroutine (one a choice); the first failure cancels the others (their sequences are aborted)
+    and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def send_error(response: web.StreamResponse, exc: Exception) -> None:
+    """End a stream whose 200 is already sent with the error as an event (as vLLM does), then ``[DONE]``."""
+    _, body = error_response(exc)
+    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+def served(http: web.Request, prompt_ids: list[int], outputs: list[Output]) -> None:
+    """What the request line says of a served request: its tokens and finish reasons."""
+    http[TRACE].update(prompt_tokens=len(prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outputs),
+                       finish_reason=",".join(dict.fromkeys(o.finish_reason for o in outputs)))
+
+
+def _check(seq: Sequence) -> None:
+    """:raises SequenceFailed: ``seq`` failed alone in the engine (answered 500; the server goes on)."""
+    if seq.finish_reason == "error":
+        raise SequenceFailed(f"generation failed: {seq.error}")
+
+
 class OpenAIRoutes:
     """The OpenAI and token-in routes of one :class:`~i3core.plugins.inference.server.Server`."""
 
@@ -138,7 +166,12 @@ class OpenAIRoutes:
             web.post("/inference/v1/generate", self.generate),
             web.get("/inference/v1/sessions/{session_id}", self.session),
             web.delete("/inference/v1/sessions/{session_id}", self.forget_session),
+            web.get("/openapi.json", self.schema),
         ]
+
+    async def schema(self, http: web.Request) -> web.Response:
+        """The request schema: every POST route's body model with its bounds (OpenAPI 3.1)."""
+        return web.json_response(openapi(REQUEST_MODELS, f"i3core server: {self.server.model_name}"))
 
     # -- requests into sequences ------------------------------------------------------------------------------
 
@@ -160,22 +193,26 @@ class OpenAIRoutes:
         stream = TextStream(self.server.tokenizer, sampling, hold)
         if on_delta is None and not sampling.stop:
             seq = await self.server.generate(seq)
-            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq), seq.finish_reason)
+            _check(seq)
+            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq, len(seq.token_ids)),
+                             seq.finish_reason)
         sent_text, sent_tokens = 0, 0
-        async for seq in self.server.follow(seq):
-            count = len(seq.token_ids)  # the engine thread may append while we read: take a snapshot
+        async for count, finish_reason in self.server.follow(seq):
+            # ``count`` and ``finish_reason`` are what the step left; the engine thread may already be appending
+            if finish_reason == "error":
+                _check(seq)
             stop = stream.find_stop(seq.token_ids[:count])
             if stop is not None:
                 count, text = stop
                 output = Output.of(seq, count, text, "stop")
-            elif seq.finish_reason is not None:
-                output = Output.of(seq, count, self._final_text(stream, seq), seq.finish_reason)
+            elif finish_reason is not None:
+                output = Output.of(seq, count, self._final_text(stream, seq, count), finish_reason)
             else:
                 output = None
             if on_delta is not None:
-                if output is not None:
+                if output is not None:  # all of it, up to the first well-formed tool call
                     text, end = output.text, len(output.text)
-                    if hold is not None and hold in text:
+                    if hold is not None and split_tool_calls(text)[1]:
                         end = text.index(hold)
                 else:
                     text = stream.decode(seq.token_ids[:count])
@@ -188,9 +225,10 @@ class OpenAIRoutes:
         raise AssertionError("a followed sequence ended without finishing")  # follow() yields it finished last
 
     @staticmethod
-    def _final_text(stream: TextStream, seq: Sequence) -> str:
-        """The text of a finished sequence: its stop token (when it ended on one) left out."""
-        ids = seq.token_ids
+    def _final_text(stream: TextStream, seq: Sequence, count: int) -> str:
+        """The text of the first ``count`` tokens of a finished sequence: its stop token (when it ended on one)
+        left out."""
+        ids = seq.token_ids[:count]
         if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_token_ids:
             ids = ids[:-1]
         return stream.decode(ids)
@@ -199,15 +237,16 @@ class OpenAIRoutes:
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         server = self.server
-        body = parse_json_object(await http.read())
-        check_fields(body, COMPLETION_FIELDS, UNSUPPORTED)
-        prompt_ids = parse_prompt(body, server.engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
-        sampling = parse_sampling(body, server.engine.max_len, [server.model.eos_token_id])
+        request = parse(CompletionRequest, parse_json_object(await http.read()))
+        engine = server.engine
+        prompt_ids = request.prompt_ids(engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
+        sampling = request.stream_sampling(engine.max_len, engine.vocab_size, [server.model.eos_token_id])
         seqs = self._sequences(prompt_ids, sampling)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
             return await self._stream(http, seqs, sampling, prompt_ids, request_id, "text_completion", created)
-        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        outputs = await together(self._run(seq, sampling) for seq in seqs)
+        served(http, prompt_ids, outputs)
         server.requests_served += 1
         choices = [
             completion_choice(i, out.text, prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
@@ -233,21 +272,21 @@ class OpenAIRoutes:
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         server = self.server
-        body = parse_json_object(await http.read())
-        check_fields(body, CHAT_FIELDS, UNSUPPORTED)
-        messages, tools = parse_messages(body.get("messages")), parse_tools(body)
+        request = parse(ChatRequest, parse_json_object(await http.read()))
+        tools = request.offered_tools()
         # the template writes its own special tokens (a BOS): the tokenizer adds none
-        prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, tools), add_special_tokens=False).ids
-        if body.get("stop_token_ids") is None:  # the end of the assistant's turn, or of the text
-            body["stop_token_ids"] = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
-        sampling = parse_sampling(body, server.engine.max_len, [], chat=True)
+        prompt_ids = server.tokenizer.encode(server.model.render_chat(request.template_messages(), tools),
+                                             add_special_tokens=False).ids
+        end_of_turn = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
+        sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size, end_of_turn)
         seqs = self._sequences(prompt_ids, sampling)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         hold = TOOL_CALL_OPEN if tools else None
         if sampling.stream:
             return await self._stream(http, seqs, sampling, prompt_ids, request_id, "chat.completion.chunk", created,
                                       hold)
-        outputs = await asyncio.gather(*(self._run(seq, sampling, hold) for seq in seqs))
+        outputs = await together(self._run(seq, sampling, hold) for seq in seqs)
+        served(http, prompt_ids, outputs)
         server.requests_served += 1
         choices = []
         for i, out in enumerate(outputs):
@@ -346,7 +385,12 @@ class OpenAIRoutes:
             await send([last])
             return out
 
-        outputs = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        try:
+            outputs = await together(one(i, seq) for i, seq in enumerate(seqs))
+        except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
+            await send_error(response, exc)
+            return response
+        served(http, prompt_ids, outputs)
         self.server.requests_served += 1
         if sampling.include_usage:
             await send([], usage=usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)))
@@ -369,30 +413,16 @@ class OpenAIRoutes:
 
     async def generate(self, http: web.Request) -> web.Response:
         server = self.server
-        body = parse_json_object(await http.read())
-        check_fields(body, GENERATE_FIELDS)
-        if body.get("stream"):
-            raise BadRequest("stream is not supported on /inference/v1/generate")
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise BadRequest("sampling_params must be an object")
-        check_fields(params, SAMPLING_PARAMS, UNSUPPORTED)
-        for key, neutral in (("ignore_eos", False), ("include_stop_str_in_output", False), ("detokenize", True)):
-            if params.get(key, neutral) != neutral:
-                raise BadRequest(f"sampling_params.{key} = {params[key]!r} is not supported")
-        if not isinstance(body.get("token_ids"), list):
-            raise BadRequest("token_ids must be a non-empty list of token ids")
-        prompt_ids = parse_prompt({"prompt": body["token_ids"]}, server.engine.vocab_size, None)
-        output_mode = body.get("output_mode", "tokens")
-        if output_mode not in ("tokens", "text"):
-            raise BadRequest('output_mode must be "tokens" or "text"')
-        sampling = parse_sampling({k: params[k] for k in params if k not in ("detokenize", "ignore_eos",
-                                                                             "include_stop_str_in_output")},
-                                  server.engine.max_len, [server.model.eos_token_id])
+        request = parse(GenerateRequest, parse_json_object(await http.read()))
+        engine = server.engine
+        prompt_ids = prompt_token_ids(request.token_ids, engine.vocab_size, None, param="token_ids")
+        output_mode = request.output_mode
+        sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, [server.model.eos_token_id])
         seqs = self._sequences(prompt_ids, sampling)
-        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        outputs = await together(self._run(seq, sampling) for seq in seqs)
+        served(http, prompt_ids, outputs)
         server.requests_served += 1
-        request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else uuid.uuid4().hex
+        request_id = request.request_id or uuid.uuid4().hex
         choices = []
         for i, out in enumerate(outputs):
             choice = {"index": i, "finish_reason": out.finish_reason, "stop_reason": None,

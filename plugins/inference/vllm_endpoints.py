@@ -11,7 +11,9 @@ client is one class:
   ``processed_logprobs``) and the policy version that sampled it;
 - ``POST /update_weights`` ``{"path", "version"}`` or, with a broadcast
   receiver, ``{"version"}``; ``POST /pause``, ``POST /resume``; ``GET /health``
-  (JSON with the live version); ``GET /i3/metrics``.
+  (JSON with the live version); ``GET /i3/metrics``. The weight and pause routes ask for the run's admin token
+  (``$I3CORE_ADMIN_TOKEN``, inherited from ``i3core run``) and load only from the directory of the served version's
+  siblings.
 
 An update pauses the engine with ``mode="keep"`` (running sequences stay where
 they are), has the worker extension
@@ -30,16 +32,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from i3core.lifetime import ADMIN_TOKEN_ENV
 from i3core.plugins.inference.protocol import (
     BadRequest,
+    CompletionRequest,
+    UpdateWeightsRequest,
     VersionWaits,
+    bearer_matches,
     completion_choice,
     envelope,
     error_body,
+    parse,
     parse_json_object,
-    parse_prompt,
-    parse_sampling,
     report_receiver_stopped,
+    unauthorized,
+    weights_path,
 )
 
 COMPLETIONS_ROUTE = "/i3/v1/completions"
@@ -80,6 +87,9 @@ class I3Endpoints:
         self.receiver = settings.get("receiver")
         self.rank = int(settings.get("rank", 1))
         self.prefix_caching = bool(settings.get("prefix_caching", False))
+        self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        self.weight_roots: list[Path] = []
+        """Where ``/update_weights`` may read: the directory holding the served version (the run's versions)."""
         self.engine = None
         self.model_name = ""
         self.vocab_size = 0
@@ -103,9 +113,9 @@ class I3Endpoints:
 
         router = APIRouter()
         router.add_api_route(COMPLETIONS_ROUTE, self._handler(self.completions), methods=["POST"])
-        router.add_api_route("/update_weights", self._handler(self.update_weights), methods=["POST"])
-        router.add_api_route("/pause", self._handler(self.pause), methods=["POST"])
-        router.add_api_route("/resume", self._handler(self.resume), methods=["POST"])
+        router.add_api_route("/update_weights", self._handler(self.update_weights, admin=True), methods=["POST"])
+        router.add_api_route("/pause", self._handler(self.pause, admin=True), methods=["POST"])
+        router.add_api_route("/resume", self._handler(self.resume, admin=True), methods=["POST"])
         router.add_api_route("/health", self._handler(self.health), methods=["GET"])
         router.add_api_route("/i3/metrics", self._handler(self.metrics), methods=["GET"])
         app.include_router(router)
@@ -116,6 +126,7 @@ class I3Endpoints:
             return
         config = engine_client.model_config
         self.model_name = str(config.served_model_name or config.model)
+        self.weight_roots = [Path(config.model).resolve().parent]
         self.vocab_size = config.get_vocab_size()
         self.max_len = config.max_model_len
         self.tokenizer = await _tokenizer(engine_client)
@@ -125,23 +136,28 @@ class I3Endpoints:
 
     # -- HTTP ---------------------------------------------------------------------
 
-    def _handler(self, method):
+    def _handler(self, method, admin: bool = False):
+        """``method`` as a route; an ``admin`` one asks for the run's admin token (``$I3CORE_ADMIN_TOKEN``)."""
         from fastapi import Request
         from fastapi.responses import JSONResponse
 
         async def handle(request: Request):
             try:
+                if admin and self.admin_token and not bearer_matches(request.headers.get("Authorization"),
+                                                                     self.admin_token):
+                    raise unauthorized(f"{request.url.path} needs the admin token")
                 body = {} if request.method == "GET" else parse_json_object(await request.body())
                 return JSONResponse(await method(body))
             except BadRequest as exc:
-                return JSONResponse(error_body(str(exc)), status_code=400)
+                return JSONResponse(error_body(str(exc), exc.param, exc.code), status_code=exc.status)
 
         handle.__name__ = f"i3_{method.__name__}"
         return handle
 
     async def completions(self, body: dict) -> dict:
-        prompt_ids = parse_prompt(body, self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        sampling = parse_sampling(body, self.max_len, [])
+        request = parse(CompletionRequest, body)
+        prompt_ids = request.prompt_ids(self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        sampling = request.sampling(self.max_len, self.vocab_size, [])
         if len(prompt_ids) >= self.max_len:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) leaves no room under max_len ({self.max_len})")
         # Like the builtin server: a completion that reaches max_len stops there ("length").
@@ -181,18 +197,16 @@ class I3Endpoints:
         return tracked, finish
 
     async def update_weights(self, body: dict) -> dict:
-        path, version = body.get("path"), body.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise BadRequest("update_weights needs an integer version >= 0")
+        request = parse(UpdateWeightsRequest, body)
+        path, version = request.path, request.version
         if path is None:
             if self.receiver is None:
                 raise BadRequest("this server receives weights from a path only: give path")
             await self._waits.wait(version)
             return {"status": "ok", "version": self.version}
-        if not isinstance(path, str):
-            raise BadRequest("path must be a string")
         from i3core.weights import reading
 
+        path = weights_path(path, self.weight_roots) if self.weight_roots else Path(path)
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
                 await self._apply(version, "i3_load_path", (path,))

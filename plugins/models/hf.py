@@ -117,6 +117,13 @@ def _cache_classes():
                     for cache in (layer.keys, layer.values):
                         cache[target, :, :length] = cache[source, :, :length]
 
+        def clear_slots(self, slots: torch.Tensor) -> None:
+            """Zero every entry of ``slots`` ``[B]`` (a failed sequence may have left NaN there)."""
+            for layer in self.layers:
+                if layer.is_initialized:
+                    for cache in (layer.keys, layer.values):
+                        cache[slots] = 0
+
     return SlotLayer, SlotCache
 
 
