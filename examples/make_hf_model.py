@@ -85,13 +85,13 @@ def model_config(architecture: str, vocab_size: int, eos_id: int, pad_id: int, *
                   num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=pad_id,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    common.update(overrides)
+    common = {"intermediate_size": 256, **common, **overrides}
     if architecture == "qwen3":
-        return Qwen3Config(intermediate_size=256, **common)
+        return Qwen3Config(**common)
     if architecture == "llama":
-        return LlamaConfig(intermediate_size=256, **common)
+        return LlamaConfig(**common)
     if architecture == "qwen3_moe":
-        return Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=128, num_experts=8,
+        return Qwen3MoeConfig(moe_intermediate_size=128, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, **common)
     raise ValueError(f"architecture must be one of {ARCHITECTURES}, not {architecture!r}")
 

@@ -407,15 +407,16 @@ def test_i3core_run_on_a_model_with_dropout_matches_the_servers_logprobs(tmp_pat
 # -- the whole stack ----------------------------------------------------------------------------------------------
 
 
-def hf_run(tmp_path, directory, *sets, config=None):
+def hf_run(tmp_path, directory, *sets, config=None, servers=True):
     """``i3core run`` on examples/hf_model.toml (or ``config``, its text) with a short SFT + 3 RL steps on two builtin
-    servers; the rows."""
+    servers (``servers``; else the example's in-process engine); the rows."""
     out = tmp_path / "run"
     path = ROOT / "examples" / "hf_model.toml"
     if config is not None:
         path = tmp_path / "hf_model.toml"
         path.write_text(config)
-    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5", *SERVERS, *sets]
+    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5", *(SERVERS if servers else ()),
+            *sets]
     proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(path),
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

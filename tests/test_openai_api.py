@@ -317,12 +317,12 @@ def test_tool_calls_are_parsed_into_message_tool_calls_streamed_or_not(scripted)
     whole, chunks, plain = asyncio.run(scenario())
     ChatCompletion.model_validate(whole.model_dump(), strict=True)
     choice = whole.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add. "
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and call.function.name == "add"
     assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed.strip() == "Let me add." and "<tool_call" not in streamed  # the call is not streamed as text
+    assert streamed == "Let me add. " and "<tool_call" not in streamed  # the call is not streamed as text
     (streamed_call,) = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert streamed_call.function.name == "add" and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert plain.choices[0].message.content == CALLING and plain.choices[0].finish_reason == "stop"  # no tools
@@ -350,3 +350,78 @@ def test_stop_strings_cut_the_text_streamed_or_not(scripted):
     assert whole.choices[0].message.content == "one, two" and whole.choices[0].finish_reason == "stop"
     assert streamed == "one, two"
     assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
+
+
+@pytest.mark.parametrize("text", [
+    'Sure. <tool_call>{"name": "add", "arguments": </tool_call> and then more text',  # not JSON
+    "Sure. <tool_call> never closed, and text after it",
+    'A <tool_call>{"arguments": {}}</tool_call> call without a name',
+])
+def test_a_malformed_tool_block_stays_text_streamed_exactly_as_not(scripted, text):
+    start, set_script = scripted
+    messages = [{"role": "user", "content": "2 + 3?"}]
+    set_script(messages, text, TOOLS)
+
+    async def scenario():
+        http, client = await start()
+        try:
+            whole = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                         temperature=0)
+            stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                          temperature=0, stream=True)
+            chunks = [c async for c in stream]
+        finally:
+            await client.close()
+            await http.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(scenario())
+    assert whole.choices[0].message.content == text and whole.choices[0].finish_reason == "stop"
+    assert not whole.choices[0].message.tool_calls
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # nothing held back
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra", [
+    {"max_tokens": 12, "stop_token_ids": []},  # finish_reason length
+    {"max_tokens": 40},  # stop at the end-of-sequence token, or length
+    {"max_tokens": 10, "temperature": 0},
+    {"max_tokens": 1000, "stop_token_ids": []},  # max_len ends it
+])
+def test_streamed_completions_equal_whole_ones_in_text_ids_logprobs_and_versions(served, extra):
+    """For the same seed and n = 3: the concatenated stream is the whole answer, choice by choice (i3core's extras
+    included), with the same finish reason."""
+    url, _ = served
+    body = {"prompt": [97, 98, 99], "n": 3, "seed": 11, "logprobs": 2, "temperature": 1.0, **extra}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=body) as response:
+                whole = await response.json()
+            async with session.post(url + "/v1/completions", json={**body, "stream": True}) as response:
+                events = [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+        return whole, events
+
+    whole, events = asyncio.run(scenario())
+    assert events[-1] == "[DONE]"
+    pieces = {i: {"text": "", "token_ids": [], "versions": [], "logprobs": [], "tokens": [], "finish": None}
+              for i in range(3)}
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            piece = pieces[choice["index"]]
+            piece["text"] += choice["text"]
+            piece["token_ids"] += choice.get("token_ids", [])
+            piece["versions"] += choice.get("versions", [])
+            if choice["logprobs"]:
+                piece["logprobs"] += choice["logprobs"]["token_logprobs"]
+                piece["tokens"] += choice["logprobs"]["tokens"]
+            piece["finish"] = choice["finish_reason"] or piece["finish"]
+    for choice in whole["choices"]:
+        piece = pieces[choice["index"]]
+        assert piece["text"] == choice["text"]
+        assert piece["token_ids"] == choice["token_ids"] and piece["versions"] == choice["versions"]
+        assert piece["logprobs"] == choice["logprobs"]["token_logprobs"]
+        assert piece["tokens"] == choice["logprobs"]["tokens"]
+        assert piece["finish"] == choice["finish_reason"]
+    if body["temperature"]:
+        assert len({tuple(c["token_ids"]) for c in whole["choices"]}) == 3  # seed + i: three different samples

@@ -183,6 +183,9 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
+        self.trained = checkpoint.trained_names(self.model)
+        """Names of the tensors training changes, when the model freezes some (an adapter on a frozen base):
+        checkpoints and published versions hold those alone. None: every tensor."""
         if config.trainer.disable_dropout:
             off = disable_dropout(self.model)
             if off:
@@ -219,16 +222,17 @@ class Trainer:
         return TrainBatch(**fields, num_samples=batch.num_samples)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded state dict on rank 0, in host memory (None elsewhere); a collective when sharded.
+        """The unsharded state dict on rank 0, in host memory (None elsewhere); a collective when sharded. Where
+        the model freezes some tensors (an adapter on a frozen base), the trained ones alone (:attr:`trained`).
 
         Each tensor is gathered in turn, so a rank holds one unsharded tensor at a time. The model's own
         ``state_dict`` names are kept (torch.distributed.checkpoint's walk of the module tree cannot follow
         state-dict hooks that rename, such as torchtitan's fused QKV projection).
         """
+        state = checkpoint.saved_state(self.model.state_dict(), self.trained)
         if self.world == 1:
-            return self.model.state_dict()
-        state = {}
-        for key, value in self.model.state_dict().items():
+            return state
+        for key, value in state.items():
             full = _full_tensor(value)
             if self.rank == 0:
                 state[key] = full.detach().cpu()
@@ -241,7 +245,7 @@ class Trainer:
             return self.model
         if self._plain is None:
             self._plain = self.model_component.build(seed=0)
-        self._plain.load_state_dict(state)
+        self._plain.load_state_dict(state, strict=self.trained is None)
         return self._plain
 
     # -- publishing ----------------------------------------------------------
@@ -266,7 +270,8 @@ class Trainer:
             raise I3Error(f"sft.steps = {cfg.steps} but env {self.config.get('env').name!r} has no demonstrations; "
                           "set sft.steps = 0")
         rng = random.Random(self.config.run.seed)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                      weight_decay=0.0)
         started = time.perf_counter()
         for step in range(1, cfg.steps + 1):
             samples = []
@@ -397,7 +402,7 @@ class Trainer:
         if state["world"] != self.world:
             raise I3Error(f"checkpoint step_{step} was written by {state['world']} trainer processes; resume it "
                           f"with trainer.nproc = {state['world']} (now {self.world})")
-        self.model.load_state_dict(torch.load(directory / checkpoint.MODEL, weights_only=False)["model"])
+        checkpoint.load_model(self.paths.checkpoints, step, self.model, checkpoint.base_identity(self.model_component))
         return state
 
     def _resume_optimizer(self, optimizer, schedule) -> None:
@@ -428,7 +433,8 @@ class Trainer:
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-                write_torch({"model": model_state, "step": step}, staging / checkpoint.MODEL)
+                base = checkpoint.base_identity(self.model_component)
+                write_torch(checkpoint.model_file(model_state, step, base), staging / checkpoint.MODEL)
                 write_torch({"step": step, "world": self.world, "lr_schedule": schedule.state_dict(),
                              "rng": torch.get_rng_state()}, staging / checkpoint.TRAINER)
                 orchestrator = self.paths.orchestrator_state(step)

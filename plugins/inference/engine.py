@@ -191,6 +191,7 @@ class Engine(EngineBase):
         """Sample with each version's weights moved one more update along the last one (:meth:`load_state`)."""
         self._last: tuple[int, dict[str, torch.Tensor]] | None = None
         """The version swapped in last and its weights as published (what the next extrapolation starts from)."""
+        self._tensors = dict(model.named_parameters())
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -271,13 +272,16 @@ class Engine(EngineBase):
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Swap weights between two steps; running sequences continue under ``version``.
 
-        The staged tensors become the live ones (no copy), so the engine stands still only for the swap. With
-        ``extrapolate``, version N directly after N - 1 is served as ``W_N + (W_N - W_{N-1})``: an asynchronous
-        trainer trains version N + 1 on what N's weights sampled, and one more step along the last update (AdamW's
-        steps, with momentum, change little from one to the next) is closer to N + 1 than N is. The tokens still
-        carry version N and the logprobs of the weights that sampled them, so the loss's importance ratio
-        measures the remaining gap. It costs one pass over the weights while the engine stands, and the last
-        version's weights kept beside the live ones.
+        The staged tensors become the live ones (no copy), so the engine stands still only for the swap. A state
+        of some of the module's tensors (an adapter on a frozen base, already checked by ``state_dict_from_hf``)
+        swaps those alone: the pause is that of the adapter's few tensors, not of the whole module's walk.
+
+        With ``extrapolate``, version N directly after N - 1 is served as ``W_N + (W_N - W_{N-1})``: an
+        asynchronous trainer trains version N + 1 on what N's weights sampled, and one more step along the last
+        update (AdamW's steps, with momentum, change little from one to the next) is closer to N + 1 than N is.
+        The tokens still carry version N and the logprobs of the weights that sampled them, so the loss's
+        importance ratio measures the remaining gap. It costs one pass over the swapped tensors while the engine
+        stands, and the last version's tensors kept beside the live ones.
         """
         published = state
         if self.extrapolate:
@@ -286,7 +290,12 @@ class Engine(EngineBase):
                 state = {name: torch.lerp(previous[name], tensor, 2.0)  # previous + 2 (tensor - previous)
                          if tensor.is_floating_point() and name in previous else tensor
                          for name, tensor in state.items()}
-        self.model.load_state_dict(state, assign=True)
+        if state.keys() < self._tensors.keys():
+            for name, tensor in state.items():
+                self._tensors[name].data = tensor
+        else:
+            self.model.load_state_dict(state, assign=True)
+            self._tensors = dict(self.model.named_parameters())
         self.version = version
         if self.extrapolate:
             self._last = (version, published)

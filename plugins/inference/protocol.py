@@ -689,8 +689,8 @@ def openapi(routes: dict[str, type[BaseModel]], title: str, version: str = "0.1.
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """Generated text as (content, OpenAI ``tool_calls``): the well-formed ``<tool_call>{"name", "arguments"}
-    </tool_call>`` blocks become calls and the content is the text before the first of them (None when empty);
-    text without a well-formed block is all content."""
+    </tool_call>`` blocks become calls and the content is the text before the first block (None when empty);
+    text without a well-formed block is all content (a malformed block stays text)."""
     calls = []
     for raw in TOOL_CALL.findall(text):
         try:
@@ -706,7 +706,7 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
                       "function": {"name": body["name"], "arguments": arguments}})
     if not calls:
         return text, []
-    content = text[: text.index(TOOL_CALL_OPEN)].strip()
+    content = text[: text.index(TOOL_CALL_OPEN)]  # as vLLM's hermes parser: what a stream sends, to the byte
     return content or None, calls
 
 

@@ -21,6 +21,13 @@ they are), has the worker extension
 and apply the weights, and resumes: the same sequences go on under the new
 version. The worker reports how many tokens each request had produced at that
 moment, which is where that request's tokens change version.
+
+A run that trains a LoRA adapter starts vLLM on the base with LoRA enabled and
+``I3CORE_VLLM``'s ``adapter`` naming version 0's adapter directory. Every
+version is then an adapter that ``/update_weights`` loads through vLLM's
+adapter API (``add_lora``, read under the version's reader lease); nothing is
+paused and no base weight is touched. A request runs to its end on the adapter
+that was live when it started, so every token's version is that adapter's.
 """
 
 import asyncio
@@ -87,6 +94,9 @@ class I3Endpoints:
         self.receiver = settings.get("receiver")
         self.rank = int(settings.get("rank", 1))
         self.prefix_caching = bool(settings.get("prefix_caching", False))
+        self.adapter = settings.get("adapter")
+        """Version 0's adapter directory when vLLM serves a LoRA run (then :attr:`lora` is the live adapter)."""
+        self.lora = None
         self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
         self.weight_roots: list[Path] = []
         """Where ``/update_weights`` may read: the directory holding the served version (the run's versions)."""
@@ -126,10 +136,14 @@ class I3Endpoints:
             return
         config = engine_client.model_config
         self.model_name = str(config.served_model_name or config.model)
-        self.weight_roots = [Path(config.model).resolve().parent]
+        served = Path(self.adapter if self.adapter is not None else config.model)  # a LoRA run: its adapters
+        self.weight_roots = [served.resolve().parent]
         self.vocab_size = config.get_vocab_size()
         self.max_len = config.max_model_len
         self.tokenizer = await _tokenizer(engine_client)
+        if self.adapter is not None:
+            await self._load_adapter(Path(self.adapter), self.version)
+            self.updates = 0  # the version it started from
         if self.receiver is not None:
             threading.Thread(target=self._receive_forever, args=(asyncio.get_running_loop(),),
                              name="weights-watcher", daemon=True).start()
@@ -186,7 +200,7 @@ class I3Endpoints:
         finish = None
         try:
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                                     request_id):
+                                                     request_id, lora_request=self.lora):
                 piece = output.outputs[0]
                 tracked.token_ids.extend(piece.token_ids)
                 tracked.logprobs.extend(lp[t].logprob for lp, t in zip(piece.logprobs or [], piece.token_ids))
@@ -209,7 +223,10 @@ class I3Endpoints:
         path = weights_path(path, self.weight_roots) if self.weight_roots else Path(path)
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
-                await self._apply(version, "i3_load_path", (path,))
+                if self.lora is not None:
+                    await self._load_adapter(Path(path), version)
+                else:
+                    await self._apply(version, "i3_load_path", (path,))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         self._waits.arrived(version)
@@ -237,6 +254,25 @@ class I3Endpoints:
                 "requests_served": self.requests_served}
 
     # -- updates --------------------------------------------------------------------
+
+    async def _load_adapter(self, path: Path, version: int) -> None:
+        """Have vLLM load the adapter directory ``path`` as ``version``; requests started from now on use it
+        (running ones keep theirs: their tokens are all of their own version).
+
+        :raises ValueError: vLLM refused the adapter (its one-line reason).
+        """
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"i3-v{version}", version + 1, str(path))
+        async with self._lock:
+            try:
+                loaded = await self.engine.add_lora(request)
+            except Exception as exc:  # vLLM hands a worker's exception back as a plain one
+                raise ValueError(f"vLLM cannot load the adapter {path}: {_first_line(exc)}") from None
+            if loaded is False:
+                raise ValueError(f"vLLM did not load the adapter {path}")
+            self.lora, self.version = request, version
+            self.updates += 1
 
     async def _apply(self, version: int, method: str, args: tuple) -> dict:
         """Pause (keep), run ``method`` on the worker, fence every running request, resume."""
