@@ -310,8 +310,9 @@ def trl_train(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from i3core.loop.run import stop_token_ids
+    from i3core.loop.run import stop_strings, stop_token_ids
     from i3core.testing import make_component
+    from i3core.text import completion_text
 
     resolved, steps, setting = spec["resolved"], spec["steps"], spec["setting"]
     torch.set_num_threads(setting["threads"])
@@ -328,13 +329,16 @@ def trl_train(spec: dict) -> dict:
     i3_model = make_component("model", resolved["model"]["use"],
                               **{k: v for k, v in resolved["model"].items() if k != "use"})
     i3_tokenizer = i3_model.tokenizer()
-    stop_ids = stop_token_ids(i3_model, env)
-    model.generation_config.eos_token_id = stop_ids  # where i3core's engine stops
+    ends, stops = stop_token_ids(i3_model, env), stop_strings(env)
+    # where i3core's engine stops: its end ids, and the env's stop text matched as text; TRL stops on tokens: the
+    # end ids and the stop text's tokens (one token in tiny-moe's byte tokenizer)
+    stop_ids = [*ends, *(i for s in stops for i in tokenizer.encode(s, add_special_tokens=False))]
+    model.generation_config.eos_token_id = stop_ids
 
     def reward(prompts, completions, completion_ids, example_id, **_):
-        # the text i3core's env scores: the completion's ids decoded with special tokens kept (the stop token in
-        # it), not TRL's own skip_special_tokens text
-        return [env.score(i3_tokenizer.decode(ids, skip_special_tokens=False), by_id[i])
+        # the text i3core's env scores, made by i3core's one function from the completion's ids (its end id left
+        # out, cut before the stop text), not TRL's own skip_special_tokens text
+        return [env.score(completion_text(i3_tokenizer, ids, stop_token_ids=ends, stop=stops), by_id[i])
                 for ids, i in zip(completion_ids, example_id)]
 
     times, rewards, lengths = [], [], []

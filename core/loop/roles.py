@@ -90,7 +90,7 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
 def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
     """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop."""
     from i3core.loop.orchestrator import ClientSlot, Orchestrator
-    from i3core.loop.run import _plot, build, lifecycle, stop_token_ids
+    from i3core.loop.run import _plot, build, lifecycle, stop_strings, stop_token_ids
 
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
@@ -114,8 +114,8 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
         wait_for_version_0(sync, paths)
         model, env = run.components["model"], run.components["env"]
         tokenizer = model.tokenizer()
-        stop_ids = stop_token_ids(model, env)
-        clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
+        stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
+        clients = [ClientSlot(source.client(url, tokenizer, stop_ids, stop), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
                                     sandbox_backend=run.components.get("sandbox"), model=model)
 

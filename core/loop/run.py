@@ -32,6 +32,7 @@ from i3core.manager import Plugins
 from i3core.lifetime import mark_run
 from i3core.loop.checkpoint import full_disk_message
 from i3core.loop.paths import RunPaths
+from i3core.text import end_ids
 
 log = structlog.get_logger("i3core.run")
 
@@ -256,11 +257,11 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         _wait_for_first_version(trainer, sync, paths, run.output_dir, version)
         model = run.components["model"]
         tokenizer = model.tokenizer()
-        stop_ids = stop_token_ids(model, env)
+        stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
         extra = {} if receiver is None else {"receiver": receiver}
         urls = source.start(sync.location(paths.broadcasts, version), run.output_dir / "logs", version=version,
                             model=config.get("model").to_dict(), **extra)
-        clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
+        clients = [ClientSlot(source.client(url, tokenizer, stop_ids, stop), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     run.sinks, progress=_progress(config.run.max_steps, version),
                                     sandbox_backend=sandbox, resume=start, model=model)
@@ -305,8 +306,16 @@ def _check_rollout_length(env, config: RunConfig, source) -> None:
 
 
 def stop_token_ids(model, env) -> list[int]:
-    """Where the servers stop a completion: the env's stop text (as tokens) and the model's end of sequence."""
-    return model.tokenizer().encode(env.stop_text).ids + [model.eos_token_id]
+    """The token ids where the servers stop a completion: the model's end-of-sequence ids only
+    (:func:`i3core.text.end_ids`); the env's stop text is matched as text (:func:`stop_strings`)."""
+    return end_ids(model)
+
+
+def stop_strings(env) -> list[str]:
+    """The strings where the servers stop a text completion: the env's ``stop_text``, matched on the decoded
+    text whatever tokens hold it."""
+    stop = getattr(env, "stop_text", None)
+    return [stop] if stop else []
 
 
 def _wait_for_first_version(trainer: subprocess.Popen, sync, paths: RunPaths, out: Path, version: int) -> None:
