@@ -7,10 +7,10 @@ version 0 (the SFT output, an HF directory that transformers loads as ``Qwen3Moe
 TRL 1.16's ``GRPOTrainer`` in a process of its own.
 
 The same objective on both sides: the same prompts in the same order (the orchestrator's stream: the env's
-dataset shuffled by ``random.Random(run.seed)``), the same reward (the env's ``score`` of the same text: TRL's
-``completion_ids`` decoded as i3core decodes a completion, special tokens kept, not TRL's own
-``skip_special_tokens`` text), the same stop ids (checked after TRL builds its generation config: a run whose
-stop ids differ is refused), group size (``num_generations``), batch (8 prompts x 8), AdamW (same lr, betas, eps,
+dataset shuffled by ``random.Random(run.seed)``), the same reward (the env's ``score`` of the same text:
+i3core's :func:`i3core.text.completion_text` of TRL's ``completion_ids``, not TRL's own ``skip_special_tokens``
+text), the same stops (i3core's end ids and the env's stop text, which TRL, stopping on tokens only, gets as its
+tokens; set again after TRL builds its generation config, which adds the tokenizer's eos), group size (``num_generations``), batch (8 prompts x 8), AdamW (same lr, betas, eps,
 no weight decay, clipping at 1.0), temperature 1, no KL (``beta = 0``), rewards not divided by their std
 (``scale_rewards = "none"``), a token-level loss normaliser (``loss_type = "dapo"``, as i3core's
 ``num_loss_tokens``), no router auxiliary loss (``router_aux_loss_coef = 0``; i3core trains without one) and
