@@ -1,6 +1,6 @@
 """``i3core run``: build every configured component, start the three roles, drive the lifecycle, close.
 
-On one machine (the embedded default): the trainer is a torchrun subprocess,
+On one machine (the embedded default): the trainer is a subprocess (one rank alone, several under torchrun),
 the rollout source starts the inference servers, and the orchestrator runs
 here. Without ``[model]``, ``[inference]`` and ``[env]`` there is nothing to
 train: the run builds what is configured, fires the lifecycle hooks and says
@@ -43,7 +43,7 @@ TRAINER_START_TIMEOUT_S = 900.0
 TRAINER_EXIT_TIMEOUT_S = 120.0
 TRAINER_POLL_S = 0.2
 TRAINER_MODULE = "i3core.loop.trainer"
-"""What torchrun runs on every rank."""
+"""What every trainer rank runs (under torchrun, or alone for one rank: :func:`trainer_launcher`)."""
 LAUNCHER_GRACE_S = 30.0
 """How long torchrun may outlive all of its trainer ranks before the run stops it (it exits at once normally)."""
 FULL_DISK_BYTES = 1 << 20
@@ -167,8 +167,7 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
     version = 0 if start is None else start.step
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(config.trainer.nproc),
-         "-m", TRAINER_MODULE, str(run.output_dir / "config.resolved.json"),
+        [*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, str(run.output_dir / "config.resolved.json"),
          *([] if start is None else ["--resume", str(start.step)])],
         stdout=trainer_log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -203,6 +202,15 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
             rendezvous.close()
         trainer_log.close()
         _plot(run.output_dir)
+
+
+def trainer_launcher(nproc: int) -> list[str]:
+    """The command that starts ``nproc`` trainer ranks on this machine, up to the module to run: torchrun for
+    several; for one, the interpreter itself (the trainer needs no process group alone, and torchrun's own process
+    held a third torch runtime, 150 MB of the quickstart's 1 GB: measured by bench_peers)."""
+    if nproc == 1:
+        return [sys.executable, "-u"]  # unbuffered, as torchrun starts its ranks
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def _check_rollout_length(env, config: RunConfig, source) -> None:

@@ -283,6 +283,7 @@ class Trainer:
         rng = random.Random(self.config.run.seed)
         optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                                       weight_decay=0.0)
+        started = time.perf_counter()
         for step in range(1, cfg.steps + 1):
             if not self._all_ok(self.stopping is None):
                 raise Stopped(f"{self.stopping} during the SFT warm start: nothing to checkpoint yet", SIGTERM_EXIT)
@@ -303,7 +304,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
             optimizer.step()
             if self.rank == 0 and (step % 50 == 0 or step == cfg.steps):
-                print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4)}), flush=True)
+                print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4),
+                                  "sft_s": round(time.perf_counter() - started, 3)}), flush=True)
 
     # -- RL ------------------------------------------------------------------
 
