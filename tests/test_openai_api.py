@@ -160,8 +160,9 @@ def test_sixteen_concurrent_streamed_chats(served):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
-    ({"logit_bias": {"5": 3}}, "logit_bias is not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ({"logit_bias": {"5": 300}}, "logit_bias must map token ids to numbers in"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be a finite number in"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio is not supported"),
     ({"tool_choice": "required", "tools": []}, "tool_choice must be"),
     ({"extra_body": {"max_tokns": 3}}, "did you mean 'max_tokens'"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs"),

@@ -50,7 +50,8 @@ class InferenceClient:
         """One completion of ``prompt_ids``, sent as ids (a multi-turn env's trajectory so far, untouched)."""
         prompt_ids = list(prompt_ids)
         body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                "skip_special_tokens": False}  # the text as the token ids say it, stop token included
+                "skip_special_tokens": False,  # the text as the token ids say it, stop token included
+                "clip_max_tokens": True}  # a prompt near the context ends there ("length"), never a 400
         stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
         if stop is not None:
             body["stop_token_ids"] = stop

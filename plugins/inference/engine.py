@@ -86,6 +86,8 @@ class Sequence:
     """Per prompt token, its logprob given the tokens before it (None for the first), when the request asks."""
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Per prompt token, the ``prompt_logprobs`` most likely ``(token id, logprob)`` at its place (the first: [])."""
+    prompt_ranks: list[int | None] = field(default_factory=list)
+    """Per prompt token, its rank at its place (1: the most likely; None for the first)."""
     finish_reason: str | None = None
     generator: torch.Generator | None = None
 
@@ -261,6 +263,7 @@ class Engine(EngineBase):
         self._prompt_logprobs(unique, prompts, hidden)
         for seq, r in copies:
             seq.prompt_logprobs, seq.prompt_top_logprobs = unique[r].prompt_logprobs, unique[r].prompt_top_logprobs
+            seq.prompt_ranks = unique[r].prompt_ranks
         hidden = hidden[:, -1]
         if copies:
             rows = torch.tensor([r for _, r in copies])
@@ -277,12 +280,14 @@ class Engine(EngineBase):
             return
         index = torch.tensor(rows)
         logprobs = torch.log_softmax(self.model.logits(hidden[index, :-1]).float(), dim=-1)  # [R, L-1, V]
-        chosen = logprobs.gather(2, prompts[index, 1:, None]).squeeze(2).tolist()
+        chosen = logprobs.gather(2, prompts[index, 1:, None])  # [R, L-1, 1]
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        chosen = chosen.squeeze(2).tolist()
         k = max(seqs[i].request.prompt_logprobs for i in rows)
         best, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k else (None, None)
         for j, i in enumerate(rows):
             seq, asked = seqs[i], seqs[i].request.prompt_logprobs
-            seq.prompt_logprobs = [None, *chosen[j]]
+            seq.prompt_logprobs, seq.prompt_ranks = [None, *chosen[j]], [None, *ranks[j]]
             seq.prompt_top_logprobs = [[]] + ([list(zip(t, b)) for t, b in zip(ids[j, :, :asked].tolist(),
                                                                                 best[j, :, :asked].tolist())]
                                               if asked else [[] for _ in chosen[j]])

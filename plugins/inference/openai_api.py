@@ -23,6 +23,7 @@ from i3core.plugins.inference.engine import Request, Sequence
 from i3core.plugins.inference.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    EXTENSIONS,
     TOOL_CALL_OPEN,
     UNSUPPORTED,
     BadRequest,
@@ -33,6 +34,7 @@ from i3core.plugins.inference.protocol import (
     parse_json_object,
     parse_messages,
     parse_prompt,
+    parse_prompts,
     parse_sampling,
     parse_tools,
     split_tool_calls,
@@ -43,7 +45,7 @@ GENERATE_FIELDS = ("token_ids", "sampling_params", "model", "request_id", "strea
                    "return_token_ids", "cache_salt", "priority")
 """What ``/inference/v1/generate`` reads (``cache_salt`` and ``priority`` are accepted and ignored)."""
 SAMPLING_PARAMS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs",
-                   "skip_special_tokens", "detokenize", "ignore_eos", "include_stop_str_in_output")
+                   "skip_special_tokens", "detokenize", "prompt_logprobs", *EXTENSIONS)
 """The ``sampling_params`` of ``/inference/v1/generate`` it reads (vLLM's names)."""
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 4096
@@ -82,6 +84,28 @@ class Output:
                    text, finish_reason)
 
 
+@dataclass
+class Echo:
+    """The prompt a completion choice echoes: its text and, with ``logprobs``, OpenAI's legacy logprobs of it."""
+
+    text: str
+    logprobs: dict | None
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Where each token's text starts, from ``start`` (OpenAI's ``text_offset``)."""
+    offsets, at = [], start
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return offsets
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two spans of legacy logprobs (an echoed prompt, its completion) as one."""
+    return {key: [*(first[key] or []), *(then[key] or [])] for key in first}
+
+
 class TextStream:
     """Detokenises a growing sequence: the text so far, where a stop string ends it, and what may be sent.
 
@@ -106,7 +130,8 @@ class TextStream:
             text = self.decode(ids[:count])
             found = [(text.find(s), s) for s in stops if s in text]
             if found:
-                return count, text[: min(found)[0]]
+                at, stop = min(found)
+                return count, text[: at + len(stop) if self.sampling.include_stop_str_in_output else at]
         self.checked = len(ids)
         return None
 
@@ -142,15 +167,24 @@ class OpenAIRoutes:
 
     # -- requests into sequences ------------------------------------------------------------------------------
 
-    def _sequences(self, prompt_ids: list[int], sampling: Sampling) -> list[Sequence]:
-        """The ``n`` sequences of one request, checked before anything is queued or any byte is sent."""
+    def _sequences(self, prompts: list[list[int]], sampling: Sampling) -> list[Sequence]:
+        """The ``n`` sequences of each prompt (sequence ``p * n + j``: choice ``j`` of prompt ``p``, OpenAI's
+        index), checked before anything is queued or any byte is sent.
+
+        :raises ContextLengthExceeded: a prompt with its ``max_tokens`` does not fit the context.
+        """
+        prompt_logprobs = sampling.prompt_logprobs
+        if sampling.echo and sampling.logprobs is not None:  # the echoed prompt's logprobs, from its prefill
+            prompt_logprobs = max(prompt_logprobs or 0, sampling.logprobs)
         return [
             self.server.new_sequence(Request(
-                list(prompt_ids), sampling.max_tokens, sampling.temperature, sampling.stop_token_ids,
-                sampling.seed_of(i), top_p=sampling.top_p, top_k=sampling.top_k,
-                top_logprobs=sampling.logprobs or 0,
+                list(prompt_ids), sampling.fit(len(prompt_ids), self.server.engine.max_len), sampling.temperature,
+                sampling.stop_token_ids, sampling.seed_of(j), top_p=sampling.top_p, top_k=sampling.top_k,
+                top_logprobs=sampling.logprobs or 0, prompt_logprobs=prompt_logprobs, min_tokens=sampling.min_tokens,
+                repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
             ))
-            for i in range(sampling.n)
+            for prompt_ids in prompts for j in range(sampling.n)
         ]  # fmt: skip
 
     async def _run(self, seq: Sequence, sampling: Sampling, hold: str | None = None, on_delta=None) -> Output:
@@ -201,33 +235,68 @@ class OpenAIRoutes:
         server = self.server
         body = parse_json_object(await http.read())
         check_fields(body, COMPLETION_FIELDS, UNSUPPORTED)
-        prompt_ids = parse_prompt(body, server.engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
-        sampling = parse_sampling(body, server.engine.max_len, [server.model.eos_token_id])
-        seqs = self._sequences(prompt_ids, sampling)
+        prompts = parse_prompts(body, server.engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
+        eos = server.model.eos_token_id
+        sampling = parse_sampling(body, server.engine.max_len, [eos], eos_token_id=eos)
+        seqs = self._sequences(prompts, sampling)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
-            return await self._stream(http, seqs, sampling, prompt_ids, request_id, "text_completion", created)
+            return await self._stream(http, seqs, sampling, prompts, request_id, "text_completion", created)
         outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
         server.requests_served += 1
-        choices = [
-            completion_choice(i, out.text, prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
-                              self._completion_logprobs(out, 0) if sampling.logprobs is not None else None)
-            for i, out in enumerate(outputs)
-        ]
-        return web.json_response(self._envelope(request_id, "text_completion", created, choices, prompt_ids))
+        choices = []
+        for i, (seq, out) in enumerate(zip(seqs, outputs)):
+            prompt = self._echo(seq, sampling)
+            logprobs = None
+            if sampling.logprobs is not None:
+                logprobs = self._completion_logprobs(out, len(prompt.text) if prompt else 0)
+                if prompt is not None:
+                    logprobs = _joined(prompt.logprobs, logprobs)
+            choice = completion_choice(i, (prompt.text if prompt else "") + out.text, seq.request.prompt_ids,
+                                       out.token_ids, out.logprobs, out.versions, out.finish_reason, logprobs)
+            if sampling.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(seq, sampling.prompt_logprobs)
+            choices.append(choice)
+        return web.json_response(self._envelope(request_id, "text_completion", created, choices, prompts,
+                                                sampling.n))
+
+    def _echo(self, seq: Sequence, sampling: Sampling) -> "Echo | None":
+        """The prompt a choice echoes (``echo``): its text and, with ``logprobs``, OpenAI's legacy logprobs of its
+        tokens (the first one's logprob and alternatives null, as OpenAI and vLLM give them)."""
+        if not sampling.echo:
+            return None
+        ids = seq.request.prompt_ids
+        text = self.server.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+        if sampling.logprobs is None:
+            return Echo(text, None)
+        k = sampling.logprobs
+        tokens = [self._token_text(t) for t in ids]
+        top = [None] + [{self._token_text(t): finite(lp) for t, lp in alternatives[:k]}
+                        for alternatives in seq.prompt_top_logprobs[1:]]
+        logprobs = {"tokens": tokens, "token_logprobs": [None, *(finite(lp) for lp in seq.prompt_logprobs[1:])],
+                    "top_logprobs": top, "text_offset": _offsets(tokens, 0)}
+        return Echo(text, logprobs)
+
+    def _vllm_prompt_logprobs(self, seq: Sequence, k: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) ``{token id: {"logprob", "rank",
+        "decoded_token"}}`` holding the token itself and the ``k`` most likely at its place."""
+        out: list[dict | None] = [None]
+        for token, logprob, rank, alternatives in zip(seq.request.prompt_ids[1:], seq.prompt_logprobs[1:],
+                                                      seq.prompt_ranks[1:], seq.prompt_top_logprobs[1:]):
+            entry = {str(t): {"logprob": finite(lp), "rank": r + 1, "decoded_token": self._token_text(t)}
+                     for r, (t, lp) in enumerate(alternatives[:k])}
+            entry[str(token)] = {"logprob": finite(logprob), "rank": rank, "decoded_token": self._token_text(token)}
+            out.append(entry)
+        return out
 
     def _completion_logprobs(self, out: Output, offset: int, first: int = 0, last: int | None = None) -> dict:
         """OpenAI's legacy logprobs of tokens ``[first, last)``: ``tokens``, ``token_logprobs``,
         ``top_logprobs`` (token text -> logprob), ``text_offset`` (from ``offset`` in the completion's text)."""
         last = len(out.token_ids) if last is None else last
         tokens = [self._token_text(t) for t in out.token_ids[first:last]]
-        offsets, at = [], offset
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
         top = [{self._token_text(t): finite(lp) for t, lp in alternatives} for alternatives in out.top[first:last]]
         return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in out.logprobs[first:last]],
-                "top_logprobs": top or None, "text_offset": offsets}
+                "top_logprobs": top or None, "text_offset": _offsets(tokens, offset)}
 
     # -- /v1/chat/completions ---------------------------------------------------------------------------------
 
@@ -240,13 +309,13 @@ class OpenAIRoutes:
         prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, tools), add_special_tokens=False).ids
         if body.get("stop_token_ids") is None:  # the end of the assistant's turn, or of the text
             body["stop_token_ids"] = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
-        sampling = parse_sampling(body, server.engine.max_len, [], chat=True)
-        seqs = self._sequences(prompt_ids, sampling)
+        sampling = parse_sampling(body, server.engine.max_len, [], chat=True, eos_token_id=server.model.eos_token_id)
+        seqs = self._sequences([prompt_ids], sampling)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         hold = TOOL_CALL_OPEN if tools else None
         if sampling.stream:
-            return await self._stream(http, seqs, sampling, prompt_ids, request_id, "chat.completion.chunk", created,
-                                      hold)
+            return await self._stream(http, seqs, sampling, [prompt_ids], request_id, "chat.completion.chunk",
+                                      created, hold)
         outputs = await asyncio.gather(*(self._run(seq, sampling, hold) for seq in seqs))
         server.requests_served += 1
         choices = []
@@ -261,7 +330,8 @@ class OpenAIRoutes:
                 "finish_reason": "tool_calls" if calls else out.finish_reason,
                 **self._extras(out),
             })  # fmt: skip
-        return web.json_response(self._envelope(request_id, "chat.completion", created, choices, prompt_ids))
+        return web.json_response(self._envelope(request_id, "chat.completion", created, choices, [prompt_ids],
+                                                sampling.n))
 
     def _chat_logprobs(self, out: Output, first: int = 0, last: int | None = None) -> dict:
         """OpenAI's chat logprobs of tokens ``[first, last)``: ``content[{token, logprob, bytes, top_logprobs}]``."""
@@ -297,7 +367,7 @@ class OpenAIRoutes:
 
     # -- streaming --------------------------------------------------------------------------------------------
 
-    async def _stream(self, http: web.Request, seqs: list[Sequence], sampling: Sampling, prompt_ids: list[int],
+    async def _stream(self, http: web.Request, seqs: list[Sequence], sampling: Sampling, prompts: list[list[int]],
                       request_id: str, kind: str, created: int, hold: str | None = None) -> web.StreamResponse:
         """Server-sent events: one chunk per piece of each choice, a last chunk per choice with its
         ``finish_reason`` (and, with tools, its ``tool_calls``), a usage chunk when asked, then ``[DONE]``."""
@@ -317,9 +387,20 @@ class OpenAIRoutes:
             if chat:
                 await send([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
+            echoing = not chat and sampling.echo
+
+            async def echo() -> None:
+                """The echoed prompt, first (as vLLM streams it), once the prefill gave its logprobs."""
+                nonlocal echoing, offset
+                if echoing:
+                    echoing, prompt = False, self._echo(seq, sampling)
+                    offset = len(prompt.text)
+                    await send([{"index": index, "text": prompt.text, "logprobs": prompt.logprobs,
+                                 "finish_reason": None, "token_ids": [], "versions": []}])
 
             async def on_delta(text: str, first: int, last: int) -> None:
                 nonlocal offset
+                await echo()
                 partial = Output.of(seq, last, "", "")
                 choice = {"index": index, "finish_reason": None, "token_ids": partial.token_ids[first:last],
                           "versions": partial.versions[first:last]}
@@ -335,6 +416,7 @@ class OpenAIRoutes:
                 await send([choice])
 
             out = await self._run(seq, sampling, hold, on_delta)
+            await echo()
             last = {"index": index, "finish_reason": out.finish_reason, "logprobs": None}
             if chat:
                 _, calls = split_tool_calls(out.text) if hold else (None, [])
@@ -349,14 +431,16 @@ class OpenAIRoutes:
         outputs = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
         self.server.requests_served += 1
         if sampling.include_usage:
-            await send([], usage=usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)))
+            await send([], usage=usage(sum(map(len, prompts)), sum(len(o.token_ids) for o in outputs)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _envelope(self, request_id: str, kind: str, created: int, choices: list[dict], prompt_ids: list[int]) -> dict:
+    def _envelope(self, request_id: str, kind: str, created: int, choices: list[dict], prompts: list[list[int]],
+                  n: int) -> dict:
+        """A whole response; its usage counts each prompt once (not once per choice), as OpenAI does."""
         return {"id": request_id, "object": kind, "created": created, "model": self.server.model_name,
-                "choices": choices, "usage": usage(len(prompt_ids), sum(len(c["token_ids"]) for c in choices))}
+                "choices": choices, "usage": usage(sum(map(len, prompts)), sum(len(c["token_ids"]) for c in choices))}
 
     # -- /v1/models -------------------------------------------------------------------------------------------
 
@@ -377,19 +461,18 @@ class OpenAIRoutes:
         if not isinstance(params, dict):
             raise BadRequest("sampling_params must be an object")
         check_fields(params, SAMPLING_PARAMS, UNSUPPORTED)
-        for key, neutral in (("ignore_eos", False), ("include_stop_str_in_output", False), ("detokenize", True)):
-            if params.get(key, neutral) != neutral:
-                raise BadRequest(f"sampling_params.{key} = {params[key]!r} is not supported")
+        if params.get("detokenize", True) is not True:
+            raise BadRequest("sampling_params.detokenize = false is not supported", param="sampling_params.detokenize")
         if not isinstance(body.get("token_ids"), list):
             raise BadRequest("token_ids must be a non-empty list of token ids")
         prompt_ids = parse_prompt({"prompt": body["token_ids"]}, server.engine.vocab_size, None)
         output_mode = body.get("output_mode", "tokens")
         if output_mode not in ("tokens", "text"):
             raise BadRequest('output_mode must be "tokens" or "text"')
-        sampling = parse_sampling({k: params[k] for k in params if k not in ("detokenize", "ignore_eos",
-                                                                             "include_stop_str_in_output")},
-                                  server.engine.max_len, [server.model.eos_token_id])
-        seqs = self._sequences(prompt_ids, sampling)
+        eos = server.model.eos_token_id
+        # a growing multi-turn prompt (verifiers' training client) ends at the context, as before: never a 400
+        sampling = parse_sampling({**params, "clip_max_tokens": True}, server.engine.max_len, [eos], eos_token_id=eos)
+        seqs = self._sequences([prompt_ids], sampling)
         outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
         server.requests_served += 1
         request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else uuid.uuid4().hex
@@ -404,11 +487,14 @@ class OpenAIRoutes:
         session = http.headers.get(SESSION_HEADER)
         if session:
             self._record(session, request_id, len(prompt_ids), outputs)
-        return web.json_response({
+        response = {
             "request_id": request_id, "model": server.model_name, "created": int(time.time()),
             "prompt_token_ids": prompt_ids, "choices": choices,
             "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
-        })  # fmt: skip
+        }  # fmt: skip
+        if sampling.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(seqs[0], sampling.prompt_logprobs)
+        return web.json_response(response)
 
     @staticmethod
     def _generate_logprobs(out: Output) -> dict:

@@ -19,11 +19,32 @@ MAX_N = 64
 
 
 class BadRequest(ValueError):
-    """A client error: answered with 400 and this message."""
+    """A client error: answered with 400 and this message, naming the request field at fault (``param``) and
+    OpenAI's error ``code`` where one applies."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
-def error_body(message: str) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error"}}
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ContextLengthExceeded(BadRequest):
+    """A prompt and its completion that do not fit the context: OpenAI's ``context_length_exceeded``, worded as
+    OpenAI and vLLM word it (what litellm matches to raise ContextWindowExceededError)."""
+
+    def __init__(self, max_len: int, prompt_tokens: int, max_tokens: int | None):
+        if max_tokens is None:
+            asked, param = f"your prompt has {prompt_tokens} tokens, which leaves no room for a completion", "messages"
+        else:
+            asked, param = (f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                            f"{max_tokens} in the completion)"), "max_tokens"
+        super().__init__(f"This model's maximum context length is {max_len} tokens. However, {asked}. Please reduce "
+                         "the length of the prompt or the completion.", param=param, code="context_length_exceeded")
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -39,18 +60,22 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
+PROCESSORS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+"""The logits processors (OpenAI's and vLLM's) the engine runs."""
+EXTENSIONS = (*PROCESSORS, "ignore_eos", "include_stop_str_in_output", "clip_max_tokens")
+"""Sampling fields beyond the basic ones that both completion routes read."""
 COMPLETION_FIELDS = ("model", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "stream", "stream_options", "logprobs", "user", "skip_special_tokens")
+                     "stop_token_ids", "stream", "stream_options", "logprobs", "user", "skip_special_tokens", "echo",
+                     "prompt_logprobs", *EXTENSIONS)
 """What ``/v1/completions`` reads (``model`` is echoed, not checked: one model per server; ``user`` is ignored)."""
 CHAT_FIELDS = ("model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs", "tools",
-               "tool_choice", "parallel_tool_calls", "user", "skip_special_tokens")
+               "tool_choice", "parallel_tool_calls", "user", "skip_special_tokens", *EXTENSIONS)
 """What ``/v1/chat/completions`` reads."""
 UNSUPPORTED = {
-    "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
-    "echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
-    "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
-    "service_tier": None, "store": False, "metadata": None, "min_tokens": 0, "repetition_penalty": 1.0,
+    "response_format": {"type": "text"}, "best_of": 1, "suffix": None, "functions": None, "function_call": None,
+    "audio": None, "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
+    "service_tier": None, "store": False, "metadata": None,
 }
 """Standard fields this server does not implement, each with the value that asks for nothing (accepted as if the
 field were absent); any other value is refused with a 400 naming the field."""
@@ -70,10 +95,10 @@ def check_fields(body: dict, known: tuple[str, ...], unsupported: dict | None = 
             if body[key] is None or body[key] == unsupported[key]:
                 del body[key]
                 continue
-            raise BadRequest(f"{key} is not supported by this server")
+            raise BadRequest(f"{key} is not supported by this server", param=key)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}")
+        raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}", param=key)
 
 
 def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
@@ -81,7 +106,7 @@ def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
     if value is None:
         value = default
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(f"{key} must be an integer in [{low}, {high}]")
+        raise BadRequest(f"{key} must be an integer in [{low}, {high}]", param=key)
     return value
 
 
@@ -92,7 +117,7 @@ def _number(body: dict, key: str, default: float, low: float, high: float, open_
     if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
             or not (low < value if open_low else low <= value) or value > high):
         bounds = f">= {low:g}" if high == math.inf else f"in {'(' if open_low else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"{key} must be a finite number {bounds}")
+        raise BadRequest(f"{key} must be a finite number {bounds}", param=key)
     return float(value)
 
 
@@ -101,7 +126,7 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false")
+        raise BadRequest(f"{key} must be true or false", param=key)
     return value
 
 
@@ -124,22 +149,69 @@ class Sampling:
     skip_special_tokens: bool = True
     stream: bool = False
     include_usage: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    """vLLM's: the text keeps the stop string that ended it."""
+    echo: bool = False
+    """Completions: the prompt's text (and, with ``logprobs``, its tokens and their logprobs) before each choice's."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the prompt tokens' logprobs, with this many alternatives each; None: not asked."""
+    clip_max_tokens: bool = False
+    """i3core's: a prompt + ``max_tokens`` over the context generates up to it (``finish_reason`` length) instead
+    of a ``context_length_exceeded`` 400 (the orchestrator's client asks for this)."""
+
+    def fit(self, prompt_tokens: int, max_len: int) -> int:
+        """``max_tokens`` for a prompt of ``prompt_tokens``: as many as fit when unset (chat), cut to what fits
+        with ``clip_max_tokens``.
+
+        :raises ContextLengthExceeded: the prompt and ``max_tokens`` exceed ``max_len`` (a prompt that generates
+            must leave room for one token; ``max_tokens`` 0 only reads the prompt).
+        """
+        room = max_len - prompt_tokens
+        if self.max_tokens < 0 or (self.clip_max_tokens and room >= 1):
+            if room < 1:
+                raise ContextLengthExceeded(max_len, prompt_tokens, None)
+            max_tokens = room if self.max_tokens < 0 else min(self.max_tokens, room)
+        elif prompt_tokens + max(self.max_tokens, 1) > max_len:
+            raise ContextLengthExceeded(max_len, prompt_tokens, self.max_tokens)
+        else:
+            max_tokens = self.max_tokens
+        if self.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+                             param="min_tokens")
+        return max_tokens
 
     def seed_of(self, i: int) -> int | None:
         """Completion ``i`` of ``n`` samples with its own seed (``seed + i``)."""
         return None if self.seed is None else self.seed + i
 
 
-def parse_sampling(body: dict, max_len: int, default_stop: list[int], chat: bool = False) -> Sampling:
-    """The sampling settings of a request body (completions, or chat with ``chat``).
+MAX_LOGIT_BIAS = 100.0
+MAX_TOKENS = 1 << 30
+"""Bound on ``max_tokens`` as parsed; what fits the context is checked against each prompt (:meth:`Sampling.fit`)."""
+
+
+def parse_sampling(body: dict, max_len: int, default_stop: list[int], chat: bool = False,
+                   eos_token_id: int | None = None) -> Sampling:
+    """The sampling settings of a request body (completions, or chat with ``chat``); ``ignore_eos`` drops
+    ``eos_token_id`` from the stop tokens. ``max_tokens`` is checked against each prompt by :meth:`Sampling.fit`
+    (chat's default: as many as fit, OpenAI's; completions': OpenAI's 16).
 
     :raises BadRequest: a field of the wrong type or out of range.
     """
     n = _int(body, "n", 1, 1, MAX_N)
+    echo = not chat and _bool(body, "echo", False)
+    least = 0 if echo else 1  # max_tokens 0: the prompt alone (its logprobs), what evaluation harnesses ask
     if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", max_len, 1, max_len)
-    else:  # chat: as many as fit (OpenAI's default); completions: OpenAI's 16
-        max_tokens = _int(body, "max_tokens", max_len if chat else 16, 1, max_len)
+        max_tokens = _int(body, "max_completion_tokens", 0, 1, MAX_TOKENS)
+    elif chat and body.get("max_tokens") is None:
+        max_tokens = -1  # as many as fit: set per prompt (Sampling.fit)
+    else:
+        max_tokens = _int(body, "max_tokens", 16, least, MAX_TOKENS)
     temperature = _number(body, "temperature", 1.0, 0.0, math.inf)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
     top_k = _int(body, "top_k", 0, -1, 1 << 30)
@@ -170,25 +242,87 @@ def parse_sampling(body: dict, max_len: int, default_stop: list[int], chat: bool
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise BadRequest('stream_options must be {"include_usage": true|false}')
     include_usage = _bool(options or {}, "include_usage", False)
+    if _bool(body, "ignore_eos", False):
+        stop_ids = [t for t in stop_ids if t != eos_token_id]
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        prompt_logprobs = _int(body, "prompt_logprobs", 0, -1, MAX_TOP_LOGPROBS)
+        prompt_logprobs = MAX_TOP_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
     return Sampling(n, max_tokens, temperature, tuple(stop_ids), seed, top_p=top_p, top_k=max(top_k, 0),
                     stop=tuple(stop), logprobs=logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True),
-                    stream=stream, include_usage=include_usage)
+                    stream=stream, include_usage=include_usage, min_tokens=_int(body, "min_tokens", 0, 0, MAX_TOKENS),
+                    repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
+                    presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                    logit_bias=_logit_bias(body.get("logit_bias")),
+                    include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False), echo=echo,
+                    prompt_logprobs=prompt_logprobs, clip_max_tokens=_bool(body, "clip_max_tokens", False))
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to values in [-100, 100]."""
+    if not value:
+        return None
+    problem = BadRequest(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                         param="logit_bias")
+    if not isinstance(value, dict):
+        raise problem
+    bias = {}
+    for key, number in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise problem from None
+        if (not isinstance(number, int | float) or isinstance(number, bool) or not math.isfinite(number)
+                or abs(number) > MAX_LOGIT_BIAS):
+            raise problem
+        bias[token] = float(number)
+    return bias
+
+
+MAX_PROMPTS = 256
+"""Most prompts one completions request may batch."""
+
+
+def parse_prompts(body: dict, vocab_size: int, encode) -> list[list[int]]:
+    """The prompts as token ids: ``prompt`` a string, a list of token ids, or a batch (a list of strings or of
+    token-id lists); strings go through ``encode``.
+
+    :raises BadRequest: anything else, an empty prompt, a token id outside the vocabulary.
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        batch = prompt
+    else:
+        batch = []
+    if not batch or len(batch) > MAX_PROMPTS or not all(_one_prompt(p) for p in batch):
+        raise BadRequest("prompt must be a non-empty string, a non-empty list of token ids, or a list of at most "
+                         f"{MAX_PROMPTS} of either", param="prompt")
+    prompts = [encode(p) if isinstance(p, str) else p for p in batch]
+    if any(not 0 <= t < vocab_size for ids in prompts for t in ids):
+        raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if not all(prompts):
+        raise BadRequest("a prompt encodes to no tokens", param="prompt")
+    return prompts
 
 
 def parse_prompt(body: dict, vocab_size: int, encode) -> list[int]:
-    """The prompt as token ids: a list of ids as given, a string (or a list of one string) through ``encode``."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        prompt_ids = encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt_ids = prompt
-    else:
-        raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids (one prompt a request)")
-    if any(not 0 <= t < vocab_size for t in prompt_ids):
-        raise BadRequest(f"prompt token ids must be in [0, {vocab_size})")
-    return prompt_ids
+    """One prompt as token ids (:func:`parse_prompts` of a request that batches none)."""
+    prompts = parse_prompts(body, vocab_size, encode)
+    if len(prompts) > 1:
+        raise BadRequest("this route takes one prompt a request", param="prompt")
+    return prompts[0]
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_prompt(prompt) -> bool:
+    return (isinstance(prompt, str) and bool(prompt)) or (isinstance(prompt, list) and bool(prompt)
+                                                          and all(_is_id(t) for t in prompt))
 
 
 def completion_choice(index: int, text: str, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],

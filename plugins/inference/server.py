@@ -109,7 +109,7 @@ class Server:
                 if future is not None and not future.done():
                     future.set_result(seq)
             for seq, updates in self._followers.values():  # streams and stop strings: every step
-                if seq.token_ids:
+                if seq.token_ids or seq.finish_reason is not None:  # (max_tokens 0 finishes with none)
                     updates.put_nowait(seq.finish_reason is not None)
 
     def _between_steps(self) -> None:
@@ -300,7 +300,7 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except BadRequest as exc:
-        return web.json_response(error_body(str(exc)), status=400)
+        return web.json_response(error_body(str(exc), exc.param, exc.code), status=400)
     except web.HTTPException as exc:
         if not 400 <= exc.status < 500:
             raise
