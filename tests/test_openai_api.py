@@ -21,9 +21,9 @@ from torch import nn
 from i3core import hookimpl
 from i3core.plugins.inference.server import builtin_server, make_app, model_component
 from i3core.plugins.models.tiny_moe import TinyMoE
-from i3core.testing import plugin_manager
+from i3core.testing import make_component, plugin_manager
 
-from .conftest import i3core_serve
+from .conftest import SERVED_MODEL, i3core_serve
 
 NAME = "tiny-served"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Reverse 'abc'."}]
@@ -156,6 +156,107 @@ def test_sixteen_concurrent_streamed_chats(served):
 
     streams, wholes = asyncio.run(scenario())
     assert streams == wholes
+
+
+def _scored_by_the_weights(directory, prompt_ids):
+    """Each prompt token's logprob given those before it, from one forward of the served weights."""
+    component = make_component("model", "tiny-moe", **SERVED_MODEL)
+    net = component.load_hf(directory).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(net.logits(net(torch.tensor([prompt_ids]))).float(), dim=-1)[0]
+    return [logprobs[i - 1, token].item() for i, token in enumerate(prompt_ids) if i]
+
+
+def _without_first_prompt_token(data: dict) -> dict:
+    """``data`` with each choice's first echoed token left out of its logprobs: OpenAI's types say float, not null."""
+    data = json.loads(json.dumps(data))
+    for choice in data["choices"]:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            choice["logprobs"][key] = choice["logprobs"][key][1:]
+    return data
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, served, builtin):
+    prompt = [97, 98, 99, 100, 101, 33, 32]
+    reference = _scored_by_the_weights(served[1], prompt)
+    raw = client.completions.with_raw_response.create(model=NAME, prompt=prompt, max_tokens=0, echo=True,
+                                                      logprobs=1, temperature=0)  # what lm-eval's loglikelihood sends
+    data = json.loads(raw.text)
+    Completion.model_validate(_without_first_prompt_token(data), strict=True)
+    (choice,) = data["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # OpenAI's, vLLM's
+    assert logprobs["token_logprobs"][1:] == [pytest.approx(r, abs=2e-4) for r in reference]
+    assert len(logprobs["tokens"]) == len(prompt) and choice["finish_reason"] == "length"
+    assert "".join(logprobs["tokens"]) == choice["text"] and data["usage"]["completion_tokens"] == 0
+    assert all(len(top) == 1 and max(top.values()) >= lp - 1e-6
+               for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
+    one = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    (choice,) = one.choices
+    assert choice.logprobs.token_logprobs[1:len(prompt)] == [pytest.approx(r, abs=2e-4) for r in reference]
+    assert len(choice.logprobs.tokens) == len(prompt) + 1 and choice.text.startswith(choice.logprobs.tokens[0])
+    assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    stream = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+    vllm = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    scored = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    for entry, token, logprob in zip(scored[1:], prompt[1:], reference):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=2e-4)
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]  # the two most likely, and the token's own
+
+
+def test_a_batch_of_prompts_answers_choice_p_times_n_plus_j(client):
+    prompts = ["abc", "hello there"]
+    batch = client.completions.create(model=NAME, prompt=prompts, n=2, max_tokens=5, seed=11)
+    Completion.model_validate(batch.model_dump(), strict=True)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(model=NAME, prompt=p, n=2, max_tokens=5, seed=11) for p in prompts]
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = [[97, 98, 99], [104, 105]]
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0)
+    streamed = {}
+    for chunk in client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in by_ids.choices} and len(streamed) == 2
+
+
+def test_vllm_sampling_extensions_steer_generation(client, served):
+    eos = make_component("model", "tiny-moe", **SERVED_MODEL).eos_token_id
+
+    def complete(**extra):
+        return client.completions.create(model=NAME, prompt="abc", max_tokens=6, temperature=0,
+                                         extra_body=extra).choices[0]
+
+    first = client.completions.create(model=NAME, prompt="abc", max_tokens=1, temperature=0)
+    first_token = (first.choices[0].model_extra.get("token_ids") or [None])[0]
+    forced = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0.8, seed=1,
+                                       logit_bias={"120": 100}, logprobs=0).choices[0]
+    assert forced.text == "x" * 4 and forced.logprobs.token_logprobs == pytest.approx([0.0] * 4, abs=1e-4)
+    ended = complete(logit_bias={str(eos): 100}, stop_token_ids=[eos])
+    assert ended.finish_reason == "stop"
+    assert complete(logit_bias={str(eos): 100}, stop_token_ids=[eos], ignore_eos=True).finish_reason == "length"
+    if first_token is not None:  # builtin: token ids to compare
+        held = complete(stop_token_ids=[first_token], min_tokens=3)
+        assert len(held.model_extra["token_ids"]) >= 3 and held.model_extra["token_ids"][0] != first_token
+        distinct = complete(repetition_penalty=1e4)
+        tokens = distinct.model_extra["token_ids"]
+        assert len(set(tokens)) == len(tokens) and not set(tokens) & set(distinct.model_extra["prompt_token_ids"])
+
+
+def test_context_overflow_is_openais_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt="abc", max_tokens=5000)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_tokens"
+    assert "maximum context length is 1024 tokens" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a " * 1100}])
+    assert caught.value.code == "context_length_exceeded"
+    assert "maximum context length is 1024 tokens" in caught.value.body["message"]
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -339,12 +440,19 @@ def test_stop_strings_cut_the_text_streamed_or_not(scripted):
             stream = await client.chat.completions.create(model="scripted", messages=messages, stop=", thr",
                                                           temperature=0, stream=True)
             streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            kept = await client.chat.completions.create(model="scripted", messages=messages, stop=", thr",
+                                                        temperature=0, extra_body={"include_stop_str_in_output": True})
+            late = await client.chat.completions.create(model="scripted", messages=messages, temperature=0,
+                                                        extra_body={"ignore_eos": True, "max_tokens": 30})
         finally:
             await client.close()
             await http.close()
-        return whole, streamed
+        return whole, streamed, kept, late
 
-    whole, streamed = asyncio.run(scenario())
+    whole, streamed, kept, late = asyncio.run(scenario())
     assert whole.choices[0].message.content == "one, two" and whole.choices[0].finish_reason == "stop"
     assert streamed == "one, two"
+    assert kept.choices[0].message.content == "one, two, thr"  # vLLM's include_stop_str_in_output
+    # ignore_eos passes the end-of-text token, but the chat template's end-of-turn tokens still stop it (as vLLM)
+    assert late.choices[0].finish_reason == "stop" and late.choices[0].message.content == "one, two, three, four"
     assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
