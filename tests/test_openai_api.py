@@ -456,3 +456,106 @@ def test_stop_strings_cut_the_text_streamed_or_not(scripted):
     # ignore_eos passes the end-of-text token, but the chat template's end-of-turn tokens still stop it (as vLLM)
     assert late.choices[0].finish_reason == "stop" and late.choices[0].message.content == "one, two, three, four"
     assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "add", "description": "Add.", "strict": False, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
+
+
+def _strict_events(raw: str) -> list:
+    """Every server-sent event of a Responses stream, each validated strictly by the openai client's own types."""
+    from openai.types.responses.response_stream_event import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = []
+    for block in raw.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        event = adapter.validate_python(json.loads(lines["data"]), strict=True)
+        assert event.type == lines["event"]
+        events.append(event)
+    return events
+
+
+def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_id(scripted):
+    from openai.types.responses import Response
+
+    start, set_script = scripted
+    chat_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")}}
+                  for t in RESPONSE_TOOLS]
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
+
+    async def scenario():
+        http, client = await start()
+        try:
+            set_script(first, CALLING, chat_tools)
+            whole = await client.responses.with_raw_response.create(
+                model="scripted", instructions="Be brief.", input="2 + 3?", tools=RESPONSE_TOOLS,
+                max_output_tokens=150, temperature=0)
+            stream = await client.responses.with_raw_response.create(
+                model="scripted", instructions="Be brief.", input=[{"role": "user", "content": "2 + 3?"}],
+                tools=RESPONSE_TOOLS, temperature=0, stream=True)
+            raw_events = await stream.http_response.aread()
+            called = Response.model_validate(json.loads(whole.text), strict=True)
+            (call,) = [item for item in called.output if item.type == "function_call"]
+            follow = [{"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+            history = [*first, {"role": "assistant", "content": "Let me add.", "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "add", "arguments": call.arguments}}]},
+                       {"role": "tool", "tool_call_id": call.call_id, "content": "5"}]
+            set_script(history, "It is 5.", chat_tools)
+            answer = await client.responses.create(model="scripted", instructions="Be brief.", input=follow,
+                                                   tools=RESPONSE_TOOLS, previous_response_id=called.id,
+                                                   temperature=0)
+            again = await client.responses.create(  # the same conversation sent whole: the same prompt
+                model="scripted", instructions="Be brief.", tools=RESPONSE_TOOLS, temperature=0, input=[
+                    {"role": "user", "content": "2 + 3?"},
+                    {"type": "message", "role": "assistant", "content": [
+                        {"type": "output_text", "text": "Let me add.", "annotations": []}]},
+                    {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
+                    *follow])
+            with pytest.raises(openai.BadRequestError, match="web_search are not supported") as refused:
+                await client.responses.create(model="scripted", input="hi", tools=[{"type": "web_search"}])
+            with pytest.raises(openai.BadRequestError, match="not found"):
+                await client.responses.create(model="scripted", input="hi", previous_response_id="resp_nope")
+        finally:
+            await client.close()
+            await http.close()
+        return called, raw_events.decode(), answer, again, refused.value
+
+    called, raw_events, answer, again, refused = asyncio.run(scenario())
+    assert called.status == "completed" and called.output_text == "Let me add."
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3} and call.call_id.startswith("call_")
+    assert called.usage.total_tokens == called.usage.input_tokens + called.usage.output_tokens
+    events = _strict_events(raw_events)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-8:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas.strip() == "Let me add." and "<tool_call" not in deltas
+    done = events[-1].response
+    assert done.output[-1].name == "add" and json.loads(done.output[-1].arguments) == {"a": 2, "b": 3}
+    assert answer.output_text == again.output_text == "It is 5."  # the stored conversation is the one sent whole
+    assert answer.usage.input_tokens == again.usage.input_tokens and answer.previous_response_id == called.id
+    assert refused.param == "tools"
+
+
+def test_responses_api_on_the_served_model_strict_and_streamed(client):
+    from openai.types.responses import Response
+
+    raw = client.responses.with_raw_response.create(model=NAME, input="abc", max_output_tokens=6, temperature=0)
+    whole = Response.model_validate(json.loads(raw.text), strict=True)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6
+    streamed = list(client.responses.create(model=NAME, input="abc", max_output_tokens=6, temperature=0,
+                                            stream=True))
+    assert streamed[-1].type == "response.completed"
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == whole.output_text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=NAME, input="a " * 1100)
+    assert caught.value.code == "context_length_exceeded"

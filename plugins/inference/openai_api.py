@@ -40,6 +40,7 @@ from i3core.plugins.inference.protocol import (
     split_tool_calls,
     usage,
 )
+from i3core.plugins.inference.responses import Responses
 
 GENERATE_FIELDS = ("token_ids", "sampling_params", "model", "request_id", "stream", "output_mode",
                    "return_token_ids", "cache_salt", "priority")
@@ -159,6 +160,7 @@ class OpenAIRoutes:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            *Responses(self).web_routes(),
             web.get("/v1/models", self.models),
             web.post("/inference/v1/generate", self.generate),
             web.get("/inference/v1/sessions/{session_id}", self.session),
