@@ -189,7 +189,8 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", b'{"messages": "hi"}', 400, "messages must be a non-empty list"),
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": 3}]}', 400,
      "content must be a string or a list of text parts"),
-    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "needs a role"),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400,
+     "messages[0].role must be one of system, developer, user, assistant, tool"),
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "tool_call_id"),
     ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": '
                                      b'{"type": "json_object"}}', 400, "response_format is not supported"),
@@ -198,7 +199,7 @@ MALFORMED = [
     ("POST", "/inference/v1/generate", b'{"token_ids": "abc"}', 400, "token_ids must be a non-empty list"),
     ("POST", "/inference/v1/generate", b'{"token_ids": [1], "sampling_params": {"max_tokns": 3}}', 400,
      "did you mean 'max_tokens'"),
-    ("POST", "/update_weights", b'{"version": "1"}', 400, "integer version"),
+    ("POST", "/update_weights", b'{"version": "1"}', 400, "version must be an integer >= 0"),
     ("POST", "/update_weights", b'{"version": 1, "path": 5}', 400, "path must be a string"),
     ("POST", "/update_weights", b'{"version": 1, "pth": "/x"}', 400, "unknown field 'pth' (did you mean 'path'?)"),
     ("GET", "/v1/completions", b"", 405, "Method Not Allowed: GET /v1/completions (allowed: POST)"),

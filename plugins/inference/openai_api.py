@@ -21,33 +21,23 @@ from aiohttp import web
 
 from i3core.plugins.inference.engine import Request, Sequence
 from i3core.plugins.inference.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    EXTENSIONS,
+    REQUEST_MODELS,
     TOOL_CALL_OPEN,
-    UNSUPPORTED,
-    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
     Sampling,
-    check_fields,
     completion_choice,
     finite,
+    openapi,
+    parse,
     parse_json_object,
-    parse_messages,
-    parse_prompt,
-    parse_prompts,
-    parse_sampling,
-    parse_tools,
+    prompt_token_ids,
     split_tool_calls,
     usage,
 )
 from i3core.plugins.inference.responses import Responses
 
-GENERATE_FIELDS = ("token_ids", "sampling_params", "model", "request_id", "stream", "output_mode",
-                   "return_token_ids", "cache_salt", "priority")
-"""What ``/inference/v1/generate`` reads (``cache_salt`` and ``priority`` are accepted and ignored)."""
-SAMPLING_PARAMS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs",
-                   "skip_special_tokens", "detokenize", "prompt_logprobs", *EXTENSIONS)
-"""The ``sampling_params`` of ``/inference/v1/generate`` it reads (vLLM's names)."""
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 4096
 """Sessions whose versions are kept (the oldest is forgotten first): an env adapter reads its own at once."""
@@ -165,7 +155,12 @@ class OpenAIRoutes:
             web.post("/inference/v1/generate", self.generate),
             web.get("/inference/v1/sessions/{session_id}", self.session),
             web.delete("/inference/v1/sessions/{session_id}", self.forget_session),
+            web.get("/openapi.json", self.schema),
         ]
+
+    async def schema(self, http: web.Request) -> web.Response:
+        """The request schema: every POST route's body model with its bounds (OpenAPI 3.1)."""
+        return web.json_response(openapi(REQUEST_MODELS, f"i3core server: {self.server.model_name}"))
 
     # -- requests into sequences ------------------------------------------------------------------------------
 
@@ -235,11 +230,10 @@ class OpenAIRoutes:
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         server = self.server
-        body = parse_json_object(await http.read())
-        check_fields(body, COMPLETION_FIELDS, UNSUPPORTED)
-        prompts = parse_prompts(body, server.engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
-        eos = server.model.eos_token_id
-        sampling = parse_sampling(body, server.engine.max_len, [eos], eos_token_id=eos)
+        request = parse(CompletionRequest, parse_json_object(await http.read()))
+        engine, eos = server.engine, server.model.eos_token_id
+        prompts = request.prompts(engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
+        sampling = request.stream_sampling(engine.max_len, engine.vocab_size, [eos], eos)
         seqs = self._sequences(prompts, sampling)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
@@ -304,14 +298,14 @@ class OpenAIRoutes:
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         server = self.server
-        body = parse_json_object(await http.read())
-        check_fields(body, CHAT_FIELDS, UNSUPPORTED)
-        messages, tools = parse_messages(body.get("messages")), parse_tools(body)
+        request = parse(ChatRequest, parse_json_object(await http.read()))
+        tools = request.offered_tools()
         # the template writes its own special tokens (a BOS): the tokenizer adds none
-        prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, tools), add_special_tokens=False).ids
-        if body.get("stop_token_ids") is None:  # the end of the assistant's turn, or of the text
-            body["stop_token_ids"] = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
-        sampling = parse_sampling(body, server.engine.max_len, [], chat=True, eos_token_id=server.model.eos_token_id)
+        prompt_ids = server.tokenizer.encode(server.model.render_chat(request.template_messages(), tools),
+                                             add_special_tokens=False).ids
+        end_of_turn = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
+        sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size, end_of_turn,
+                                           server.model.eos_token_id)
         seqs = self._sequences([prompt_ids], sampling)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         hold = TOOL_CALL_OPEN if tools else None
@@ -455,29 +449,17 @@ class OpenAIRoutes:
 
     async def generate(self, http: web.Request) -> web.Response:
         server = self.server
-        body = parse_json_object(await http.read())
-        check_fields(body, GENERATE_FIELDS)
-        if body.get("stream"):
-            raise BadRequest("stream is not supported on /inference/v1/generate")
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise BadRequest("sampling_params must be an object")
-        check_fields(params, SAMPLING_PARAMS, UNSUPPORTED)
-        if params.get("detokenize", True) is not True:
-            raise BadRequest("sampling_params.detokenize = false is not supported", param="sampling_params.detokenize")
-        if not isinstance(body.get("token_ids"), list):
-            raise BadRequest("token_ids must be a non-empty list of token ids")
-        prompt_ids = parse_prompt({"prompt": body["token_ids"]}, server.engine.vocab_size, None)
-        output_mode = body.get("output_mode", "tokens")
-        if output_mode not in ("tokens", "text"):
-            raise BadRequest('output_mode must be "tokens" or "text"')
-        eos = server.model.eos_token_id
-        # a growing multi-turn prompt (verifiers' training client) ends at the context, as before: never a 400
-        sampling = parse_sampling({**params, "clip_max_tokens": True}, server.engine.max_len, [eos], eos_token_id=eos)
+        request = parse(GenerateRequest, parse_json_object(await http.read()))
+        engine, eos = server.engine, server.model.eos_token_id
+        prompt_ids = prompt_token_ids(request.token_ids, engine.vocab_size, None, param="token_ids")
+        output_mode = request.output_mode
+        sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, [eos], eos_token_id=eos)
+        sampling.clip_max_tokens = True  # a growing multi-turn prompt (verifiers' training client) ends at the
+        # context, as before: never a 400
         seqs = self._sequences([prompt_ids], sampling)
         outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
         server.requests_served += 1
-        request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else uuid.uuid4().hex
+        request_id = request.request_id or uuid.uuid4().hex
         choices = []
         for i, out in enumerate(outputs):
             choice = {"index": i, "finish_reason": out.finish_reason, "stop_reason": None,

@@ -1,41 +1,82 @@
-"""What the builtin server and the vLLM endpoints share: request checking, the response shape, version waits.
+"""What the builtin server and the vLLM endpoints share: typed request models, errors, the response shape, version
+waits.
 
-Both answer ``POST /v1/completions`` with the same JSON (token ids, per-token
-logprobs and versions), so the orchestrator's client is one class. Pure Python:
-the vLLM API process imports it without the builtin engine.
+Request bodies are parsed at the edge into typed models (pydantic, strict: no string for a number, no bool for an
+integer, finite numbers only) whose fields carry their bounds; a body that breaks one is a :class:`BadRequest`
+naming the field and the bound, answered as OpenAI answers it (:func:`error_body`). Bounds that depend on the
+server (its ``max_len``, its vocabulary) are checked where the model meets the server (:meth:`SamplingFields.sampling`,
+:meth:`CompletionRequest.prompt_ids`). :func:`openapi` publishes the models as the server's request schema.
+
+The models are meant to grow: a new field is a typed, bounded attribute of the model (and, if it was refused
+before, leaves :data:`UNSUPPORTED`). Pure Python: the vLLM API process imports this module without the builtin
+engine.
 """
 
 import asyncio
 import difflib
 import json
-import math
 import re
 import time
+import typing
 import uuid
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.json_schema import models_json_schema
 
 MAX_N = 64
 """Most completions one request may ask for (``n``)."""
+MAX_TOP_LOGPROBS = 20
+"""Alternatives per token (OpenAI's bound)."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+"""Longest stop string: a stop is a word or a marker, never a document."""
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 4096
+"""Messages in one chat: far more turns than any context holds, few enough to check at once."""
+MAX_TOOLS = 128
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Largest request body (answered 413 beyond it): a full-context token-id prompt is far smaller."""
+MAX_TOP_K = 1 << 30
+MAX_TOKENS = 1 << 30
+"""Bound on ``max_tokens`` as parsed; what fits the context is checked against each prompt (:meth:`Sampling.fit`)."""
+MAX_PROMPTS = 256
+"""Most prompts one completions request may batch."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a ``logit_bias`` value."""
+MAX_PENALTY = 2.0
+"""OpenAI's bound on ``presence_penalty`` and ``frequency_penalty``."""
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+"""A seed is a 64-bit integer (what torch's generator takes, ``seed + i`` of choice ``i`` included)."""
+SAMPLING_EPS = 1e-5
+"""A temperature below this samples greedily (vLLM's epsilon): dividing logits by it overflows."""
+MIN_TEMPERATURE = 1e-2
+"""A temperature in [SAMPLING_EPS, MIN_TEMPERATURE) is raised to this (as vLLM does): logits divided by less
+overflow float32 into inf and the softmax into NaN."""
+FINITE_LOGPROB = -9999.0
+"""Stands for a logprob of -inf (a token top_k or top_p ruled out) where JSON needs a number."""
 
 
 class BadRequest(ValueError):
-    """A client error: answered with 400 and this message, naming the request field at fault (``param``) and
-    OpenAI's error ``code`` where one applies."""
+    """A client error: answered with ``status`` (400) and this message, ``param`` naming the field."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
                kind: str = "invalid_request_error") -> dict:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` (``kind``: ``server_error`` for
+    a 5xx)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ContextLengthExceeded(BadRequest):
     """A prompt and its completion that do not fit the context: OpenAI's ``context_length_exceeded``, worded as
-    OpenAI and vLLM word it (what litellm matches to raise ContextWindowExceededError)."""
+    OpenAI and vLLM word it ("This model's maximum context length is N tokens", what litellm matches to raise
+    ContextWindowExceededError)."""
 
     def __init__(self, max_len: int, prompt_tokens: int, max_tokens: int | None):
         if max_tokens is None:
@@ -48,7 +89,8 @@ class ContextLengthExceeded(BadRequest):
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """A request body that must be one JSON object (UTF-8, nested no deeper than Python's parser allows)."""
+    """A request body that must be one JSON object (UTF-8, nested no deeper than Python's parser allows, every
+    string valid Unicode: a lone surrogate escape such as ``"\\ud800"`` is refused, naming where it is)."""
     try:
         body = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -57,32 +99,37 @@ def parse_json_object(raw: bytes) -> dict:
         raise BadRequest("the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    _check_unicode(body)
     return body
 
 
-PROCESSORS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
-"""The logits processors (OpenAI's and vLLM's) the engine runs."""
-EXTENSIONS = (*PROCESSORS, "ignore_eos", "include_stop_str_in_output", "clip_max_tokens")
-"""Sampling fields beyond the basic ones that both completion routes read."""
-COMPLETION_FIELDS = ("model", "prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "stream", "stream_options", "logprobs", "user", "skip_special_tokens", "echo",
-                     "prompt_logprobs", *EXTENSIONS)
-"""What ``/v1/completions`` reads (``model`` is echoed, not checked: one model per server; ``user`` is ignored)."""
-CHAT_FIELDS = ("model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-               "seed", "stop", "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs", "tools",
-               "tool_choice", "parallel_tool_calls", "user", "skip_special_tokens", *EXTENSIONS)
-"""What ``/v1/chat/completions`` reads."""
+def _check_unicode(body: dict) -> None:
+    """Refuse a string (key or value) holding a UTF-16 surrogate: no tokenizer or UTF-8 writer can take it."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((f"{where}.{key}" if where else str(key), key))
+                stack.append((f"{where}.{key}" if where else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"{where or 'the body'} holds a lone UTF-16 surrogate: not valid Unicode",
+                                 param=where or None) from None
+
+
 UNSUPPORTED = {
     "response_format": {"type": "text"}, "best_of": 1, "suffix": None, "functions": None, "function_call": None,
     "audio": None, "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
     "service_tier": None, "store": False, "metadata": None,
 }
 """Standard fields this server does not implement, each with the value that asks for nothing (accepted as if the
-field were absent); any other value is refused with a 400 naming the field."""
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-FINITE_LOGPROB = -9999.0
-"""Stands for a logprob of -inf (a token top_k or top_p ruled out) where JSON needs a number."""
+field were absent); any other value is refused with a 400 naming the field. A model that implements one of them
+declares it as a field: a declared field is never looked up here."""
 
 
 def check_fields(body: dict, known: tuple[str, ...], unsupported: dict | None = None) -> None:
@@ -101,42 +148,125 @@ def check_fields(body: dict, known: tuple[str, ...], unsupported: dict | None = 
         raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}", param=key)
 
 
-def _int(body: dict, key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key, default)
-    if value is None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(f"{key} must be an integer in [{low}, {high}]", param=key)
-    return value
+# -- typed request models ------------------------------------------------------------------------------------------
 
 
-def _number(body: dict, key: str, default: float, low: float, high: float, open_low: bool = False) -> float:
-    value = body.get(key, default)
-    if value is None:
-        value = default
-    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
-            or not (low < value if open_low else low <= value) or value > high):
-        bounds = f">= {low:g}" if high == math.inf else f"in {'(' if open_low else '['}{low:g}, {high:g}]"
-        raise BadRequest(f"{key} must be a finite number {bounds}", param=key)
-    return float(value)
+def bounded(default: Any = ..., bound: str = "", description: str | None = None, **constraints) -> Any:
+    """A model field whose error message says ``<field> must be <bound>``; ``bound`` is published in the schema
+    as ``x-bound``."""
+    return Field(default, description=description, json_schema_extra={"x-bound": bound}, **constraints)
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false", param=key)
-    return value
+class RequestModel(BaseModel):
+    """A request body (or a part of one): strict types, finite numbers, no unknown fields (a typo gets a "did you
+    mean"), :attr:`unsupported` standard fields accepted only at their neutral value."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+    unsupported: ClassVar[dict] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") == "forbid":
+            data = dict(data)
+            check_fields(data, tuple(cls.model_fields), cls.unsupported)
+        return data
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """``body`` (a parsed JSON object) as ``model``.
+
+    :raises BadRequest: naming the first fields that break their bounds (at most three), ``param`` the first.
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _bad_request(model, exc) from None
+
+
+def _bad_request(model: type[BaseModel], exc: ValidationError) -> BadRequest:
+    messages: dict[str, str] = {}
+    for error in exc.errors(include_url=False):
+        path, named, bound = _where(model, error["loc"])
+        if bound and error["type"] not in ("value_error", "extra_forbidden"):
+            path = named  # the bound is the field's: stop_token_ids[3] is refused as stop_token_ids
+        if any(path == seen or path.startswith((f"{seen}[", f"{seen}.")) for seen in messages):
+            continue  # one message per field (a union reports each of its members)
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, BadRequest) and cause.param:  # raised with its own field (a nested check_fields)
+            param = f"{path}.{cause.param}" if path else cause.param
+            messages[param] = f"{path}: {cause}" if path else str(cause)
+        elif isinstance(cause, ValueError):
+            messages[path] = _at(path, str(cause))
+        elif error["type"] == "extra_forbidden":
+            messages[path] = f"unknown field {path!r}"
+        elif bound:
+            messages[path] = f"{path} must be {bound}"
+        elif error["type"] == "missing":
+            messages[path] = f"{path} is required"
+        else:
+            messages[path] = f"{path}: {error['msg']}"
+        if len(messages) == 3:
+            break
+    if not messages:  # pragma: no cover - pydantic reports at least one error
+        return BadRequest(str(exc))
+    first = next(iter(messages))
+    return BadRequest("; ".join(messages.values()), param=first or None)
+
+
+def _at(path: str, message: str) -> str:
+    """A validator's ``message`` placed at ``path``: ``content must be...`` at ``messages[0].content`` reads
+    ``messages[0].content must be...``."""
+    if not path or message.startswith(path):
+        return message
+    last = re.split(r"[.\[]", path)[-1]
+    if message.startswith(f"{last} "):
+        return path + message[len(last):]
+    return f"{path}: {message}"
+
+
+def _where(model: type[BaseModel], loc: tuple) -> tuple[str, str, str]:
+    """The field path of an error location (``messages[2].content``: union member tags left out), the path to the
+    last field named in it and that field's bound ("" if it has none)."""
+    path, named, bound, current = "", "", "", model
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+            continue
+        fields = current.model_fields if isinstance(current, type) and issubclass(current, BaseModel) else {}
+        if item not in fields:
+            continue  # a union member's tag such as 'str' or 'list[int]'
+        info = fields[item]
+        path += f".{item}" if path else item
+        bound = (info.json_schema_extra or {}).get("x-bound", "") if isinstance(info.json_schema_extra, dict) else ""
+        named, current = path, _inner_model(info.annotation)
+    return path, named, bound
+
+
+def _inner_model(annotation) -> type[BaseModel] | None:
+    """The first model class inside a field's annotation (``list[Message] | None`` -> ``Message``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = bounded(False, "true or false", "A last chunk with choices [] and the usage.")
+    continuous_usage_stats: bool = bounded(False, "true or false", "Accepted; usage is sent in the last chunk.")
 
 
 @dataclass
 class Sampling:
-    """A completion request's settings, checked."""
+    """A completion request's settings, checked: what the engine's requests are made of."""
 
     n: int
     max_tokens: int
     temperature: float
+    """0: greedy."""
     stop_token_ids: tuple[int, ...]
     seed: int | None
     top_p: float = 1.0
@@ -165,11 +295,12 @@ class Sampling:
     of a ``context_length_exceeded`` 400 (the orchestrator's client asks for this)."""
 
     def fit(self, prompt_tokens: int, max_len: int) -> int:
-        """``max_tokens`` for a prompt of ``prompt_tokens``: as many as fit when unset (chat), cut to what fits
-        with ``clip_max_tokens``.
+        """``max_tokens`` for a prompt of ``prompt_tokens``: as many as fit when unset (-1, chat's default), cut
+        to what fits with ``clip_max_tokens``.
 
         :raises ContextLengthExceeded: the prompt and ``max_tokens`` exceed ``max_len`` (a prompt that generates
-            must leave room for one token; ``max_tokens`` 0 only reads the prompt).
+            must leave room for one token; so must one that is only scored, ``max_tokens`` 0, as the engine's
+            cache holds ``max_len`` tokens).
         """
         room = max_len - prompt_tokens
         if self.max_tokens < 0 or (self.clip_max_tokens and room >= 1):
@@ -190,139 +321,210 @@ class Sampling:
         return None if self.seed is None else self.seed + i
 
 
-MAX_LOGIT_BIAS = 100.0
-MAX_TOKENS = 1 << 30
-"""Bound on ``max_tokens`` as parsed; what fits the context is checked against each prompt (:meth:`Sampling.fit`)."""
+def effective_temperature(temperature: float) -> float:
+    """A temperature as the sampler takes it: below :data:`SAMPLING_EPS` greedy (0), below
+    :data:`MIN_TEMPERATURE` raised to it."""
+    if temperature < SAMPLING_EPS:
+        return 0.0
+    return max(temperature, MIN_TEMPERATURE)
 
 
-def parse_sampling(body: dict, max_len: int, default_stop: list[int], chat: bool = False,
-                   eos_token_id: int | None = None) -> Sampling:
-    """The sampling settings of a request body (completions, or chat with ``chat``); ``ignore_eos`` drops
-    ``eos_token_id`` from the stop tokens. ``max_tokens`` is checked against each prompt by :meth:`Sampling.fit`
-    (chat's default: as many as fit, OpenAI's; completions': OpenAI's 16).
+class SamplingFields(RequestModel):
+    """The sampling settings every generation route reads (OpenAI's names, vLLM's extensions)."""
 
-    :raises BadRequest: a field of the wrong type or out of range.
-    """
-    n = _int(body, "n", 1, 1, MAX_N)
-    echo = not chat and _bool(body, "echo", False)
-    least = 0 if echo else 1  # max_tokens 0: the prompt alone (its logprobs), what evaluation harnesses ask
-    if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = _int(body, "max_completion_tokens", 0, 1, MAX_TOKENS)
-    elif chat and body.get("max_tokens") is None:
-        max_tokens = -1  # as many as fit: set per prompt (Sampling.fit)
-    else:
-        max_tokens = _int(body, "max_tokens", 16, least, MAX_TOKENS)
-    temperature = _number(body, "temperature", 1.0, 0.0, math.inf)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
-    top_k = _int(body, "top_k", 0, -1, 1 << 30)
-    stop_ids = body.get("stop_token_ids", default_stop)
-    if stop_ids is None:
-        stop_ids = default_stop
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise BadRequest("stop_token_ids must be a list of integers")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in stop)):
-        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise BadRequest("seed must be an integer")
-    if chat:
-        logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if _bool(body, "logprobs", False) else None
-        if body.get("top_logprobs") and logprobs is None:
-            raise BadRequest("top_logprobs needs logprobs = true")
-    else:
-        logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
-    stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise BadRequest("stream_options needs stream = true")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise BadRequest('stream_options must be {"include_usage": true|false}')
-    include_usage = _bool(options or {}, "include_usage", False)
-    if _bool(body, "ignore_eos", False):
-        stop_ids = [t for t in stop_ids if t != eos_token_id]
-    prompt_logprobs = body.get("prompt_logprobs")
-    if prompt_logprobs is not None:
-        prompt_logprobs = _int(body, "prompt_logprobs", 0, -1, MAX_TOP_LOGPROBS)
-        prompt_logprobs = MAX_TOP_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs
-    return Sampling(n, max_tokens, temperature, tuple(stop_ids), seed, top_p=top_p, top_k=max(top_k, 0),
-                    stop=tuple(stop), logprobs=logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True),
-                    stream=stream, include_usage=include_usage, min_tokens=_int(body, "min_tokens", 0, 0, MAX_TOKENS),
-                    repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
-                    presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                    logit_bias=_logit_bias(body.get("logit_bias")),
-                    include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False), echo=echo,
-                    prompt_logprobs=prompt_logprobs, clip_max_tokens=_bool(body, "clip_max_tokens", False))
+    unsupported: ClassVar[dict] = UNSUPPORTED
 
+    n: int = bounded(1, f"an integer in [1, {MAX_N}]", "Completions of the prompt.", ge=1, le=MAX_N)
+    max_tokens: int | None = bounded(None, "an integer in [1, max_len]",
+                                     "Most tokens to generate; with the prompt at most the server's max_len "
+                                     "(else a context_length_exceeded 400).", ge=1, le=MAX_TOKENS)
+    temperature: float = bounded(1.0, "a finite number >= 0",
+                                 f"0 (or below {SAMPLING_EPS:g}) is greedy; below {MIN_TEMPERATURE:g} is raised "
+                                 f"to {MIN_TEMPERATURE:g}.", ge=0)
+    top_p: float = bounded(1.0, "a finite number in (0, 1]", "Nucleus sampling.", gt=0, le=1)
+    top_k: int = bounded(0, f"-1, 0 (off) or an integer in [1, {MAX_TOP_K}]", "vLLM's extension.", ge=-1,
+                         le=MAX_TOP_K)
+    seed: int | None = bounded(None, f"an integer in [{SEED_MIN}, {SEED_MAX}]", "Choice i samples with seed + i.",
+                               ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = bounded(
+        None, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, each at most {MAX_STOP_CHARS} "
+              "characters", "Strings that end the text (left out of it).")
+    stop_token_ids: list[int] | None = bounded(
+        None, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, vocab_size)", "vLLM's extension.",
+        max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = bounded(True, "true or false", "vLLM's extension.")
+    ignore_eos: bool = bounded(False, "true or false", "vLLM's: the end-of-sequence token does not stop (other stop "
+                                                       "tokens still do).")
+    min_tokens: int = bounded(0, "an integer >= 0 and at most max_tokens",
+                              "vLLM's: no stop token is drawn before this many tokens.", ge=0, le=MAX_TOKENS)
+    repetition_penalty: float = bounded(1.0, "a finite number > 0", "vLLM's: a positive logit of a token in the "
+                                        "prompt or completion divided by it, a negative one multiplied.", gt=0)
+    presence_penalty: float = bounded(0.0, f"a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                      "OpenAI's: subtracted once from the logit of a token already generated.",
+                                      ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = bounded(0.0, f"a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                       "OpenAI's: subtracted from a token's logit per time it was generated.",
+                                       ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = bounded(
+        None, f"an object of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        "OpenAI's: added to the logits of those tokens.")
+    include_stop_str_in_output: bool = bounded(False, "true or false", "vLLM's: the text keeps its stop string.")
+    clip_max_tokens: bool = bounded(False, "true or false", "i3core's: max_tokens cut to what fits the context "
+                                                            "instead of a context_length_exceeded 400.")
 
-def _logit_bias(value) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to values in [-100, 100]."""
-    if not value:
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias):
+        if bias and not all(key.lstrip("-").isdigit() and abs(value) <= MAX_LOGIT_BIAS for key, value in bias.items()):
+            raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return bias
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, "
+                             f"each at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per token the request asks for (None: no logprobs)."""
         return None
-    problem = BadRequest(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-                         param="logit_bias")
-    if not isinstance(value, dict):
-        raise problem
-    bias = {}
-    for key, number in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise problem from None
-        if (not isinstance(number, int | float) or isinstance(number, bool) or not math.isfinite(number)
-                or abs(number) > MAX_LOGIT_BIAS):
-            raise problem
-        bias[token] = float(number)
-    return bias
+
+    def default_max_tokens(self, max_len: int) -> int:
+        return 16  # OpenAI's completions default
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, max_len: int, vocab_size: int, default_stop: list[int], stream: bool = False,
+                 include_usage: bool = False, eos_token_id: int | None = None) -> Sampling:
+        """The settings as the engine takes them, checked against the server's ``vocab_size``; ``max_tokens`` is
+        checked against each prompt and ``max_len`` by :meth:`Sampling.fit`. ``ignore_eos`` drops
+        ``eos_token_id`` from the stop tokens.
+
+        :raises BadRequest: a stop or ``logit_bias`` token id outside the vocabulary.
+        """
+        max_tokens = self.max_tokens_asked()
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens(max_len)
+        stop_ids = default_stop if self.stop_token_ids is None else self.stop_token_ids
+        if any(not 0 <= t < vocab_size for t in stop_ids):
+            raise BadRequest(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
+        if self.ignore_eos:
+            stop_ids = [t for t in stop_ids if t != eos_token_id]
+        bias = {int(token): value for token, value in (self.logit_bias or {}).items()} or None
+        if bias and any(not 0 <= t < vocab_size for t in bias):
+            raise BadRequest(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return Sampling(self.n, max_tokens, effective_temperature(self.temperature), tuple(stop_ids), self.seed,
+                        top_p=self.top_p, top_k=max(self.top_k, 0), stop=tuple(stop), logprobs=self.logprobs_asked(),
+                        skip_special_tokens=self.skip_special_tokens, stream=stream, include_usage=include_usage,
+                        min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
+                        echo=getattr(self, "echo", False), prompt_logprobs=self.prompt_logprobs_asked(),
+                        clip_max_tokens=self.clip_max_tokens)
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt token (vLLM's ``prompt_logprobs``; -1: the most there are); None: not asked."""
+        asked = getattr(self, "prompt_logprobs", None)
+        return MAX_TOP_LOGPROBS if asked == -1 else asked
 
 
-MAX_PROMPTS = 256
-"""Most prompts one completions request may batch."""
+class StreamingFields(SamplingFields):
+    """The OpenAI routes' common fields beyond sampling: the model's name, streaming, the end user."""
+
+    model: str | None = bounded(None, "a string", "Echoed, not checked: one model per server.")
+    stream: bool = bounded(False, "true or false", "Server-sent events in OpenAI's chunk shapes.")
+    stream_options: StreamOptions | None = bounded(None, '{"include_usage": true|false}')
+    user: str | None = bounded(None, "a string", "Accepted, ignored.")
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options needs stream = true", param="stream_options")
+        return self
+
+    def stream_sampling(self, max_len: int, vocab_size: int, default_stop: list[int],
+                        eos_token_id: int | None = None) -> Sampling:
+        options = self.stream_options
+        return self.sampling(max_len, vocab_size, default_stop, self.stream, bool(options and options.include_usage),
+                             eos_token_id)
 
 
-def parse_prompts(body: dict, vocab_size: int, encode) -> list[list[int]]:
-    """The prompts as token ids: ``prompt`` a string, a list of token ids, or a batch (a list of strings or of
-    token-id lists); strings go through ``encode``.
+class CompletionRequest(StreamingFields):
+    """``POST /v1/completions`` (OpenAI's legacy completions): one prompt or a batch of them."""
 
-    :raises BadRequest: anything else, an empty prompt, a token id outside the vocabulary.
-    """
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
-        batch = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        batch = prompt
-    else:
-        batch = []
-    if not batch or len(batch) > MAX_PROMPTS or not all(_one_prompt(p) for p in batch):
-        raise BadRequest("prompt must be a non-empty string, a non-empty list of token ids, or a list of at most "
-                         f"{MAX_PROMPTS} of either", param="prompt")
-    prompts = [encode(p) if isinstance(p, str) else p for p in batch]
-    if any(not 0 <= t < vocab_size for ids in prompts for t in ids):
-        raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    if not all(prompts):
-        raise BadRequest("a prompt encodes to no tokens", param="prompt")
-    return prompts
+    prompt: str | list[int] | list[str] | list[list[int]] = bounded(
+        ..., f"a non-empty string, a non-empty list of token ids, or a list of at most {MAX_PROMPTS} of either")
+    max_tokens: int | None = bounded(None, "an integer in [1, max_len] (0 with echo: the prompt scored alone)",
+                                     "Most tokens to generate (default 16); with the prompt at most the server's "
+                                     "max_len (else a context_length_exceeded 400).", ge=0, le=MAX_TOKENS)
+    logprobs: int | None = bounded(None, f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+                                   "Alternatives per token; the sampled token's logprob always.", ge=0,
+                                   le=MAX_TOP_LOGPROBS)
+    echo: bool = bounded(False, "true or false", "The prompt (with logprobs: its tokens' logprobs, from the prefill) "
+                                                 "before the completion.")
+    prompt_logprobs: int | None = bounded(None, f"an integer in [-1, {MAX_TOP_LOGPROBS}]",
+                                          "vLLM's: the prompt tokens' logprobs with this many alternatives "
+                                          "(-1: the most).", ge=-1, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt):
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+        if not 0 < len(batch) <= MAX_PROMPTS or not all(batch):
+            raise ValueError(f"prompt must be a non-empty string, a non-empty list of token ids, or a list of at "
+                             f"most {MAX_PROMPTS} of either")
+        return prompt
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens must be an integer in [1, max_len] (0 only with echo)", param="max_tokens")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self, vocab_size: int, encode) -> list[list[int]]:
+        """Every prompt of the request as token ids (a string through ``encode``).
+
+        :raises BadRequest: an id outside ``[0, vocab_size)``, a string that encodes to nothing.
+        """
+        prompt = self.prompt
+        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
+        prompts = [prompt_token_ids(p, vocab_size, encode) for p in batch]
+        if not all(prompts):
+            raise BadRequest("a prompt encodes to no tokens", param="prompt")
+        return prompts
+
+    def prompt_ids(self, vocab_size: int, encode) -> list[int]:
+        """The one prompt of a request that batches none, as token ids.
+
+        :raises BadRequest: a batch of several, an id outside ``[0, vocab_size)``.
+        """
+        prompts = self.prompts(vocab_size, encode)
+        if len(prompts) > 1:
+            raise BadRequest("this route takes one prompt a request", param="prompt")
+        return prompts[0]
 
 
-def parse_prompt(body: dict, vocab_size: int, encode) -> list[int]:
-    """One prompt as token ids (:func:`parse_prompts` of a request that batches none)."""
-    prompts = parse_prompts(body, vocab_size, encode)
-    if len(prompts) > 1:
-        raise BadRequest("this route takes one prompt a request", param="prompt")
-    return prompts[0]
+def prompt_token_ids(prompt: str | list[int], vocab_size: int, encode, param: str = "prompt") -> list[int]:
+    """``prompt`` as token ids (a string through ``encode``), every id checked against the vocabulary."""
+    ids = encode(prompt) if isinstance(prompt, str) else prompt
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise BadRequest(f"prompt token ids must be in [0, {vocab_size})", param=param)
+    return ids
 
 
-def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class UpdateWeightsRequest(RequestModel):
+    """``POST /update_weights``: a version directory to load, or (no path) a broadcast version to wait for."""
 
-
-def _one_prompt(prompt) -> bool:
-    return (isinstance(prompt, str) and bool(prompt)) or (isinstance(prompt, list) and bool(prompt)
-                                                          and all(_is_id(t) for t in prompt))
+    path: str | None = bounded(None, "a string: a STABLE weight version directory under the run's directories")
+    version: int = bounded(..., "an integer >= 0", ge=0)
 
 
 def completion_choice(index: int, text: str, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
@@ -366,81 +568,194 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
 
-def _text(content, where: str) -> str:
-    """A message's content as one string: a string, or a list of ``{"type": "text", "text": ...}`` parts joined by
-    newlines."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"{where}: only text content parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "\n".join(texts)  # as vLLM joins them, so both backends render the same prompt
-    raise BadRequest(f"{where}: content must be a string or a list of text parts")
+class FunctionCall(RequestModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = bounded(..., "a string")
+    arguments: str = bounded(..., "a string encoding a JSON object")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise ValueError("arguments is not JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError("arguments must encode a JSON object")
+        return arguments or "{}"
 
 
-def parse_messages(messages) -> list[dict]:
-    """OpenAI chat ``messages`` checked and normalised for a chat template: ``content`` always a string (text
-    parts joined, null on an assistant turn with ``tool_calls`` as ""), ``developer`` as ``system``.
+class ToolCall(RequestModel):
+    """A call an assistant message made (sent back in a later request)."""
 
-    :raises BadRequest: a malformed message, naming it.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRequest(f"{where}: needs a role, one of {', '.join(ROLES)}")
-        role, calls = m["role"], m.get("tool_calls")
-        if m.get("content") is None and not (role == "assistant" and calls):
-            raise BadRequest(f"{where}: content is missing")
-        message = {"role": "system" if role == "developer" else role,
-                   "content": "" if m.get("content") is None else _text(m["content"], where)}
-        if calls is not None:
-            if role != "assistant" or not isinstance(calls, list):
-                raise BadRequest(f"{where}: tool_calls must be a list on an assistant message")
-            message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
-        if role == "tool":
-            if not isinstance(m.get("tool_call_id"), str):
-                raise BadRequest(f"{where}: a tool message needs a string tool_call_id")
-            message["tool_call_id"] = m["tool_call_id"]
-        out.append(message)
-    return out
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str = bounded("", "a string")
+    type: Literal["function"] = bounded("function", '"function"')
+    function: FunctionCall = bounded(..., '{"name", "arguments"}')
 
 
-def _tool_call(call, where: str) -> dict:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-        raise BadRequest(f'{where}: needs {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
-    try:
-        arguments = json.loads(fn["arguments"] or "{}")
-    except json.JSONDecodeError:
-        raise BadRequest(f"{where}: function.arguments is not JSON") from None
-    if not isinstance(arguments, dict):
-        raise BadRequest(f"{where}: function.arguments must encode a JSON object")
-    return {"id": str(call.get("id", "")), "type": "function",
-            "function": {"name": fn["name"], "arguments": fn["arguments"] or "{}"}}
+class Message(RequestModel):
+    """One chat message; fields OpenAI's SDKs send back that a template does not read (``name``, ``refusal``...)
+    are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal[ROLES] = bounded(..., f"one of {', '.join(ROLES)}")
+    content: str | None = bounded(None, 'a string or a list of {"type": "text", "text": ...} parts')
+    tool_calls: list[ToolCall] | None = bounded(None, "a list of tool calls, on an assistant message")
+    tool_call_id: str | None = bounded(None, "a string")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, content):
+        """Text parts joined by newlines (as vLLM joins them, so both backends render the same prompt)."""
+        if content is None or isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"only text content parts are supported, got {kind!r}")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        raise ValueError("content must be a string or a list of text parts")
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls must be a list on an assistant message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs a string tool_call_id")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it: ``content`` a string, ``developer`` as ``system``."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-def parse_tools(body: dict) -> list[dict] | None:
-    """The ``tools`` offered to the model (None: none, or ``tool_choice = "none"``).
+class FunctionSpec(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = bounded(..., "a string")
 
-    :raises BadRequest: a malformed tool, or a ``tool_choice`` this server cannot enforce.
-    """
-    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise BadRequest('tool_choice must be "auto" or "none": this server cannot force a call')
-    if tools is None or choice == "none":
-        return None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
-        raise BadRequest('tools must be a list of {"type": "function", "function": {"name", ...}}')
-    return tools or None
+
+class Tool(RequestModel):
+    """A tool offered to the model; handed to the chat template as sent."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"] = bounded(..., '"function"')
+    function: FunctionSpec = bounded(..., '{"name", "description", "parameters"}')
+
+
+class ChatRequest(StreamingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = bounded(..., f"a non-empty list of at most {MAX_MESSAGES} messages", min_length=1,
+                                      max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = bounded(None, "an integer in [1, max_len]", "Wins over max_tokens.", ge=1,
+                                                le=MAX_TOKENS)
+    logprobs: bool | None = bounded(None, "true or false")
+    top_logprobs: int | None = bounded(None, f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = bounded(None, f'a list of at most {MAX_TOOLS} {{"type": "function", "function": '
+                                             '{"name", ...}}', max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none"] | None = bounded(
+        None, '"auto" or "none": this server cannot force a call')
+    parallel_tool_calls: bool | None = bounded(None, "true or false", "Accepted, ignored.")
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs = true", param="top_logprobs")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def default_max_tokens(self, max_len: int) -> int:
+        return -1  # as many as fit the prompt (OpenAI's chat default): Sampling.fit
+
+    def max_tokens_asked(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
+
+    def offered_tools(self) -> list[dict] | None:
+        """The tools offered to the model as sent (None: none, or ``tool_choice = "none"``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools]
+
+
+class GenerateSamplingParams(SamplingFields):
+    """The ``sampling_params`` of ``/inference/v1/generate`` (vLLM's names)."""
+
+    logprobs: int | None = bounded(None, f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0, le=MAX_TOP_LOGPROBS)
+    detokenize: Literal[True] = bounded(True, "true (false is not supported)")
+    prompt_logprobs: int | None = bounded(None, f"an integer in [-1, {MAX_TOP_LOGPROBS}]",
+                                          "vLLM's: the prompt tokens' logprobs with this many alternatives.", ge=-1,
+                                          le=MAX_TOP_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+class GenerateRequest(RequestModel):
+    """``POST /inference/v1/generate``: vLLM's token-in generation (``cache_salt``, ``priority`` accepted,
+    ignored)."""
+
+    token_ids: list[int] = bounded(..., "a non-empty list of token ids", min_length=1)
+    sampling_params: GenerateSamplingParams = bounded(GenerateSamplingParams(), "an object of vLLM's sampling "
+                                                                                "params")
+    model: str | None = bounded(None, "a string")
+    request_id: str | None = bounded(None, "a string")
+    stream: Literal[False] = bounded(False, "false (streaming is not supported on /inference/v1/generate)")
+    output_mode: Literal["tokens", "text"] = bounded("tokens", '"tokens" or "text"')
+    return_token_ids: bool | None = bounded(None, "true or false")
+    cache_salt: str | None = bounded(None, "a string")
+    priority: int | None = bounded(None, "an integer")
+
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _null_params(cls, params):
+        return {} if params is None else params
+
+
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+    "/inference/v1/generate": GenerateRequest,
+    "/update_weights": UpdateWeightsRequest,
+}
+"""Each POST route's request body, as :func:`openapi` publishes it."""
+
+
+def openapi(routes: dict[str, type[BaseModel]], title: str, version: str = "0.1.0") -> dict:
+    """An OpenAPI 3.1 document of ``routes`` (path -> request model): each POST's body schema, with the
+    bounds (``minimum``, ``maximum``, ``x-bound``...), and OpenAI's error shape for a 400."""
+    keys = [(model, "validation") for model in dict.fromkeys(routes.values())]
+    refs, defs = models_json_schema(keys, ref_template="#/components/schemas/{model}")
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    paths = {
+        path: {"post": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": refs[(model, "validation")]}}},
+            "responses": {"200": {"description": "OK"},
+                          "400": {"description": "a field out of its bounds, named",
+                                  "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
+        }}
+        for path, model in routes.items()
+    }  # fmt: skip
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+            "components": {"schemas": {**defs.get("$defs", {}), "Error": error}}}
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:

@@ -17,29 +17,52 @@ from collections import OrderedDict
 
 from aiohttp import web
 
+from typing import Any, ClassVar, Literal
+
 from i3core.plugins.inference.protocol import (
+    MAX_TOKENS,
     TOOL_CALL_OPEN,
     BadRequest,
+    ChatRequest,
+    RequestModel,
+    StreamingFields,
+    bounded,
     check_fields,
+    parse,
     parse_json_object,
-    parse_messages,
-    parse_sampling,
     split_tool_calls,
 )
 
-RESPONSES_FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-                    "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id", "store", "user",
-                    "metadata", "include", "text", "truncation", "reasoning", "top_k", "seed", "stream_options",
-                    "service_tier", "prompt_cache_key", "safety_identifier")
-"""What ``/v1/responses`` reads; ``user``, ``prompt_cache_key``, ``safety_identifier`` are accepted and ignored,
-``metadata`` echoed; ``include``, ``text``, ``truncation``, ``reasoning``, ``service_tier`` only at values that ask
-for nothing (:data:`NEUTRAL`)."""
-NEUTRAL = {"include": ([],), "text": ({"format": {"type": "text"}}, {}), "truncation": ("disabled",),
-           "reasoning": ({},), "service_tier": ("auto", "default")}
-"""Settings the server cannot honour, with the values it accepts (what a client sends when it asks for nothing)."""
 MAX_STORED = 1024
 """Responses kept for ``previous_response_id`` (the oldest is forgotten first): an agent continues its last one."""
 FUNCTION = "function"
+
+
+class ResponsesRequest(RequestModel):
+    """The fields of ``POST /v1/responses`` that are the Responses API's own; the sampling fields (``temperature``,
+    ``top_p``, ``stream``, vLLM's extensions...) are a chat request's, under the same names (:data:`SHARED`).
+    ``user``, ``prompt_cache_key`` and ``safety_identifier`` are accepted and ignored, ``metadata`` echoed;
+    ``include``, ``text``, ``truncation``, ``reasoning`` and ``service_tier`` are accepted at values that ask
+    for nothing."""
+
+    unsupported: ClassVar[dict] = {"include": [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                                   "reasoning": {}, "service_tier": "auto"}
+
+    input: str | list[dict[str, Any]] = bounded(..., "a string or a non-empty list of items", min_length=1)
+    instructions: str | None = bounded(None, "a string", "A system message before the input.")
+    tools: list[dict[str, Any]] | None = bounded(None, "a list of function tools")
+    tool_choice: Literal["auto", "none"] | None = bounded(None, '"auto" or "none": this server cannot force a call')
+    parallel_tool_calls: bool | None = bounded(None, "true or false", "Accepted, echoed.")
+    max_output_tokens: int | None = bounded(None, "an integer in [1, max_len]", ge=1, le=MAX_TOKENS)
+    previous_response_id: str | None = bounded(None, "the id of a stored response")
+    store: bool = bounded(True, "true or false", f"Keep the response for previous_response_id (the last {MAX_STORED}).")
+    metadata: dict[str, str] | None = bounded(None, "an object of strings", "Echoed.")
+    prompt_cache_key: str | None = bounded(None, "a string")
+    safety_identifier: str | None = bounded(None, "a string")
+
+
+SHARED = tuple(name for name in StreamingFields.model_fields if name not in ("n", "max_tokens"))
+"""The chat request's fields a Responses request sends as they are (sampling, ``model``, ``stream``, ``user``)."""
 
 
 class Responses:
@@ -63,42 +86,34 @@ class Responses:
     async def create(self, http: web.Request) -> web.StreamResponse:
         server = self.server
         body = parse_json_object(await http.read())
-        check_fields(body, RESPONSES_FIELDS)
-        for key, accepted in NEUTRAL.items():
-            if body.get(key) is not None and body[key] not in accepted:
-                raise BadRequest(f"{key} = {json.dumps(body[key])} is not supported by this server", param=key)
-        tools = _tools(body.get("tools"))
-        choice = body.get("tool_choice") or "auto"
-        if choice not in ("auto", "none"):
-            raise BadRequest('tool_choice must be "auto" or "none": this server cannot force a call',
-                             param="tool_choice")
-        history = self._history(body.get("previous_response_id"))
-        conversation = [*history, *_messages(body.get("input"))]
-        instructions = body.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise BadRequest("instructions must be a string", param="instructions")
-        messages = parse_messages([{"role": "system", "content": instructions}] * bool(instructions) + conversation)
-        offered = tools if tools and choice == "auto" else None
-        prompt_ids = server.tokenizer.encode(server.model.render_chat(messages, offered), add_special_tokens=False).ids
+        check_fields(body, (*ResponsesRequest.model_fields, *SHARED), ResponsesRequest.unsupported)
+        request = parse(ResponsesRequest, {k: v for k, v in body.items() if k in ResponsesRequest.model_fields})
+        tools = _tools(request.tools)
+        choice = request.tool_choice or "auto"
+        conversation = [*self._history(request.previous_response_id), *_messages(request.input)]
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        chat = parse(ChatRequest, {**{k: v for k, v in body.items() if k in SHARED}, "messages": system + conversation,
+                                   "tools": tools or None, "tool_choice": choice,
+                                   "max_completion_tokens": request.max_output_tokens})
+        offered = chat.offered_tools()
+        prompt_ids = server.tokenizer.encode(server.model.render_chat(chat.template_messages(), offered),
+                                             add_special_tokens=False).ids
         eos = server.model.eos_token_id
         stops = list(dict.fromkeys([*server.model.end_of_turn_ids, eos]))
-        sampling = parse_sampling({"max_completion_tokens": body.get("max_output_tokens"), "stop_token_ids": stops,
-                                   **{k: body[k] for k in ("temperature", "top_p", "top_k", "seed", "stream")
-                                      if body.get(k) is not None}}, server.engine.max_len, [], chat=True)
-        if body.get("stream_options") is not None and not sampling.stream:
-            raise BadRequest("stream_options needs stream = true", param="stream_options")
+        sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size, stops, eos)
+        instructions = request.instructions
         (seq,) = self.routes._sequences([prompt_ids], sampling)
         response = {
             "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
             "model": server.model_name, "status": "in_progress", "error": None, "incomplete_details": None,
-            "instructions": instructions, "metadata": body.get("metadata") or {}, "output": [],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+            "instructions": instructions, "metadata": request.metadata or {}, "output": [],
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
             "temperature": sampling.temperature, "top_p": sampling.top_p, "tool_choice": choice,
             "tools": [{"type": FUNCTION, "name": t["function"]["name"],
                        "description": t["function"].get("description"), "parameters": t["function"].get("parameters"),
                        "strict": t["function"].get("strict", False)} for t in tools],
-            "max_output_tokens": body.get("max_output_tokens"),
-            "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True) is not False,
+            "max_output_tokens": request.max_output_tokens,
+            "previous_response_id": request.previous_response_id, "store": request.store,
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "usage": None,
         }  # fmt: skip
         hold = TOOL_CALL_OPEN if offered else None

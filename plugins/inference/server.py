@@ -44,19 +44,17 @@ from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.protocol import (
+    MAX_BODY_BYTES,
     BadRequest,
+    UpdateWeightsRequest,
     VersionWaits,
-    check_fields,
     error_body,
+    parse,
     parse_json_object,
     report_receiver_stopped,
 )
 from i3core.protocols import Model
 from i3core.weights import connect_receiver, reading
-
-MAX_BODY_BYTES = 16 * 1024 * 1024
-"""Largest request body (aiohttp answers 413 beyond it): a full-context token-id prompt is far smaller."""
-
 
 class Server:
     """The HTTP API over any :class:`EngineBase`; ``model`` (a :class:`~i3core.protocols.Model` component)
@@ -204,18 +202,13 @@ class Server:
         )
 
     async def update_weights(self, http: web.Request) -> web.Response:
-        body = await _json_body(http)
-        check_fields(body, ("path", "version"))
-        path, version = body.get("path"), body.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise BadRequest("update_weights needs an integer version >= 0")
+        request = parse(UpdateWeightsRequest, await _json_body(http))
+        path, version = request.path, request.version
         if path is None:
             if not self.receiving:
                 raise BadRequest("this server receives weights from a path only: give path")
             await self._waits.wait(version)
             return web.json_response({"status": "ok", "version": self.engine.version})
-        if not isinstance(path, str):
-            raise BadRequest("path must be a string")
         try:
             await self.load_weights(Path(path), version)
         except ValueError as exc:
@@ -300,7 +293,7 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except BadRequest as exc:
-        return web.json_response(error_body(str(exc), exc.param, exc.code), status=400)
+        return web.json_response(error_body(str(exc), exc.param, exc.code), status=exc.status)
     except web.HTTPException as exc:
         if not 400 <= exc.status < 500:
             raise

@@ -32,13 +32,14 @@ from pathlib import Path
 
 from i3core.plugins.inference.protocol import (
     BadRequest,
+    CompletionRequest,
+    UpdateWeightsRequest,
     VersionWaits,
     completion_choice,
     envelope,
     error_body,
+    parse,
     parse_json_object,
-    parse_prompt,
-    parse_sampling,
     report_receiver_stopped,
 )
 
@@ -134,18 +135,19 @@ class I3Endpoints:
                 body = {} if request.method == "GET" else parse_json_object(await request.body())
                 return JSONResponse(await method(body))
             except BadRequest as exc:
-                return JSONResponse(error_body(str(exc)), status_code=400)
+                return JSONResponse(error_body(str(exc), exc.param, exc.code), status_code=exc.status)
 
         handle.__name__ = f"i3_{method.__name__}"
         return handle
 
     async def completions(self, body: dict) -> dict:
-        prompt_ids = parse_prompt(body, self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        sampling = parse_sampling(body, self.max_len, [])
-        if len(prompt_ids) >= self.max_len:
-            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) leaves no room under max_len ({self.max_len})")
-        # Like the builtin server: a completion that reaches max_len stops there ("length").
-        sampling.max_tokens = min(sampling.max_tokens, self.max_len - len(prompt_ids))
+        request = parse(CompletionRequest, body)
+        prompt_ids = request.prompt_ids(self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        sampling = request.sampling(self.max_len, self.vocab_size, [])
+        # The orchestrator's route: a completion that reaches max_len stops there ("length"), as on the builtin
+        # server with clip_max_tokens (what the orchestrator's client sends).
+        sampling.clip_max_tokens = True
+        sampling.max_tokens = sampling.fit(len(prompt_ids), self.max_len)
         done = await asyncio.gather(*(self._generate(prompt_ids, sampling, i) for i in range(sampling.n)))
         self.requests_served += 1
         choices = [
@@ -181,16 +183,13 @@ class I3Endpoints:
         return tracked, finish
 
     async def update_weights(self, body: dict) -> dict:
-        path, version = body.get("path"), body.get("version")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise BadRequest("update_weights needs an integer version >= 0")
+        request = parse(UpdateWeightsRequest, body)
+        path, version = request.path, request.version
         if path is None:
             if self.receiver is None:
                 raise BadRequest("this server receives weights from a path only: give path")
             await self._waits.wait(version)
             return {"status": "ok", "version": self.version}
-        if not isinstance(path, str):
-            raise BadRequest("path must be a string")
         from i3core.weights import reading
 
         try:
