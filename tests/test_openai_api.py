@@ -559,3 +559,46 @@ def test_responses_api_on_the_served_model_strict_and_streamed(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=NAME, input="a " * 1100)
     assert caught.value.code == "context_length_exceeded"
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(served, client, builtin):
+    url, _ = served
+    tokenizer = make_component("model", "tiny-moe", **SERVED_MODEL).tokenizer()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async def post(path, body):
+                async with session.post(url + path, json=body) as response:
+                    return response.status, await response.json()
+
+            text = await post("/tokenize", {"model": NAME, "prompt": "hello"})
+            chat = await post("/tokenize", {"model": NAME, "messages": MESSAGES})
+            back = await post("/detokenize", {"model": NAME, "tokens": text[1]["tokens"]})
+            both = await post("/tokenize", {"prompt": "x", "messages": MESSAGES})
+            async with session.get(url + "/version") as response:
+                version = await response.json()
+        return text, chat, back, both, version
+
+    text, chat, back, both, version = asyncio.run(scenario())
+    assert text[0] == 200 and text[1]["tokens"] == tokenizer.encode("hello").ids
+    assert text[1]["count"] == len(text[1]["tokens"]) and text[1]["max_model_len"] == 1024
+    reply = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=1)
+    assert chat[1]["count"] == reply.usage.prompt_tokens  # the chat route's own rendering
+    assert back == (200, {"prompt": tokenizer.decode(text[1]["tokens"], skip_special_tokens=False)})
+    if builtin:  # i3core refuses the ambiguous request by name
+        assert both[0] == 400 and both[1]["error"]["param"] == "prompt"
+    assert isinstance(version["version"], str) and version["version"]
+
+
+def test_serve_refuses_a_max_len_above_the_models_positions(tmp_path):
+    import subprocess
+    import sys
+
+    model = make_component("model", "tiny-moe", **SERVED_MODEL)
+    model.save_hf(model.build(seed=0), tmp_path)
+    result = subprocess.run([sys.executable, "-m", "i3core.cli", "serve", str(tmp_path), "--max-len", "8192",
+                             "--model-option", f"hidden_size={SERVED_MODEL['hidden_size']}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "--max-len 8192 exceeds the model's max_position_embeddings (2048)" in line
