@@ -248,15 +248,16 @@ def test_vllm_sampling_extensions_steer_generation(client, served):
         assert len(set(tokens)) == len(tokens) and not set(tokens) & set(distinct.model_extra["prompt_token_ids"])
 
 
-def test_context_overflow_is_openais_context_length_exceeded(client):
+def test_context_overflow_is_openais_context_length_exceeded(client, builtin):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=NAME, prompt="abc", max_tokens=5000)
-    assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_tokens"
-    assert "maximum context length is 1024 tokens" in caught.value.message
+    assert "maximum context length is 1024 tokens" in caught.value.message  # what litellm matches (vLLM too)
+    if builtin:  # OpenAI's code (vLLM answers code 400)
+        assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a " * 1100}])
-    assert caught.value.code == "context_length_exceeded"
-    assert "maximum context length is 1024 tokens" in caught.value.body["message"]
+    assert "maximum context length is 1024 tokens" in caught.value.message
+    assert not builtin or caught.value.code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -545,7 +546,7 @@ def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_
     assert refused.param == "tools"
 
 
-def test_responses_api_on_the_served_model_strict_and_streamed(client):
+def test_responses_api_on_the_served_model_strict_and_streamed(client, builtin):
     from openai.types.responses import Response
 
     raw = client.responses.with_raw_response.create(model=NAME, input="abc", max_output_tokens=6, temperature=0)
@@ -558,7 +559,8 @@ def test_responses_api_on_the_served_model_strict_and_streamed(client):
     assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == whole.output_text
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=NAME, input="a " * 1100)
-    assert caught.value.code == "context_length_exceeded"
+    assert "maximum context length is 1024 tokens" in caught.value.message
+    assert not builtin or caught.value.code == "context_length_exceeded"
 
 
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(served, client, builtin):
