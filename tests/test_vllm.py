@@ -207,3 +207,34 @@ def test_vllm_serves_an_hf_model_with_the_trainers_logprobs(tmp_path):
     assert len(done.token_ids) > 0 and done.versions == [0] * len(done.token_ids)
     assert mean_abs_diff(model, done) < 1e-3
 
+
+
+@pytest.mark.clients
+def test_lm_eval_scores_the_same_through_vllm_and_i3core(tmp_path):
+    """lm-eval's local-completions (default tokenized requests: batched token-id prompts, echo with logprobs) on
+    a generation task and a multiple-choice task: the same accuracies and loglikelihoods through vLLM's server
+    and `i3core serve` on the same saved hf Qwen3. Runs in the clients environment (.ci/run), where lm-eval is."""
+    from .test_clients import MAX_LEN, NAME, lm_eval_tasks, require, run_lm_eval, serve
+    from .test_hf_model import make_hf_model
+
+    require_vllm()
+    require("lm_eval")
+    directory = make_hf_model(tmp_path / "qwen3", "qwen3")
+    tasks = lm_eval_tasks(tmp_path / "tasks")
+    with serve(directory) as url:
+        ours = run_lm_eval(url, directory, tasks, tmp_path / "i3core")
+    source = make_component("rollout_source", "vllm", servers=1, max_slots=8, max_len=MAX_LEN, python=PYTHON,
+                            served_model_name=NAME)
+    (url,) = source.start(directory, tmp_path / "logs")
+    try:
+        theirs = run_lm_eval(url, directory, tasks, tmp_path / "vllm")
+    finally:
+        source.close()
+    assert ours["results"]["i3core_gen"]["exact_match,none"] == theirs["results"]["i3core_gen"]["exact_match,none"]
+    assert ours["results"]["i3core_mc"]["acc,none"] == theirs["results"]["i3core_mc"]["acc,none"]
+    (mine,), (vllms,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_mc")] for run in (ours, theirs))
+    for a, b in zip(mine, vllms, strict=True):
+        assert [r[0][0] for r in a["resps"]] == pytest.approx([r[0][0] for r in b["resps"]], abs=1e-3)
+    (gen_ours,), (gen_vllm,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_gen")]
+                                for run in (ours, theirs))
+    assert [s["filtered_resps"] for s in gen_ours] == [s["filtered_resps"] for s in gen_vllm]  # greedy: same text
