@@ -29,9 +29,11 @@ pytestmark = [pytest.mark.clients, pytest.mark.slow]
 NAME = "qwen3-served"
 MAX_LEN = 512
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": "none", "INSPECT_TELEMETRY": "false",
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": "none",
            "DO_NOT_TRACK": "1"}
 """Nothing leaves the machine during a test."""
+START_TIMEOUT_S = 300
+"""torch, transformers and the model load in ~40 s on a loaded 2-core machine; a server not up by then failed."""
 os.environ.update(OFFLINE)
 
 
@@ -57,13 +59,15 @@ def serve(directory: Path, max_len: int = MAX_LEN):
                              "--model-option", f"path={json.dumps(str(directory))}"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
     try:
-        for _ in range(600):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     break
             except OSError:
                 assert proc.poll() is None, (directory.parent / f"serve-{port}.log").read_text()
-                time.sleep(0.1)
+                assert time.monotonic() < deadline, f"i3core serve did not listen within {START_TIMEOUT_S} s"
+                time.sleep(0.2)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -89,8 +93,9 @@ def url(qwen3):
 # -- openai-agents: its default model is the Responses API -----------------------------------------------------
 
 
-def test_openai_agents_default_responses_model_streams_with_a_function_tool(url):
+def test_openai_agents_default_responses_model_streams_with_a_function_tool(request):
     agents = require("agents")
+    url = request.getfixturevalue("url")  # after the client is known to be there
     from openai import AsyncOpenAI
     from openai.types.responses import ResponseCompletedEvent
 
@@ -128,8 +133,9 @@ def test_openai_agents_default_responses_model_streams_with_a_function_tool(url)
 # -- inspect-ai: its default openai/ provider ---------------------------------------------------------------------
 
 
-def test_inspect_ai_default_openai_provider_runs_an_eval(url, tmp_path):
+def test_inspect_ai_default_openai_provider_runs_an_eval(request, tmp_path):
     inspect_ai = require("inspect_ai")
+    url = request.getfixturevalue("url")
     from inspect_ai.dataset import Sample
     from inspect_ai.scorer import match
     from inspect_ai.solver import generate
@@ -186,8 +192,9 @@ def run_lm_eval(base_url: str, tokenizer: Path, tasks: Path, out: Path) -> dict:
     return {"results": json.loads(found.read_text())["results"], "samples": samples}
 
 
-def test_lm_eval_local_completions_scores_what_the_weights_say(url, qwen3, tmp_path):
+def test_lm_eval_local_completions_scores_what_the_weights_say(request, tmp_path):
     require("lm_eval")
+    url, qwen3 = request.getfixturevalue("url"), request.getfixturevalue("qwen3")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -198,22 +205,23 @@ def test_lm_eval_local_completions_scores_what_the_weights_say(url, qwen3, tmp_p
     model = AutoModelForCausalLM.from_pretrained(qwen3).eval()
     (mc,) = [rows for name, rows in run["samples"].items() if name.startswith("i3core_mc")]
     for sample in mc:  # each choice's loglikelihood, as lm-eval read it from echo + logprobs
-        for (request, (loglikelihood, _)) in zip(sample["arguments"], sample["resps"]):
-            context, continuation = request["arg_0"], request["arg_1"]
+        for arguments, responses in zip(sample["arguments"], sample["resps"]):
+            context, continuation = arguments["arg_0"], arguments["arg_1"]
+            loglikelihood = responses[0][0]
             whole = tokenizer(context + continuation).input_ids
             ctx = len(tokenizer(context).input_ids)
             with torch.no_grad():
                 logprobs = torch.log_softmax(model(torch.tensor([whole])).logits.float(), -1)[0]
             expected = sum(logprobs[i - 1, whole[i]].item() for i in range(ctx, len(whole)))
-            assert float(loglikelihood[0] if isinstance(loglikelihood, list) else loglikelihood) == \
-                pytest.approx(expected, abs=1e-3)
+            assert float(loglikelihood) == pytest.approx(expected, abs=1e-3)
 
 
 # -- mini-swe-agent (litellm): a context overflow is a ContextWindowExceededError --------------------------------
 
 
-def test_mini_swe_agent_runs_and_recognises_a_context_overflow(url, tmp_path):
+def test_mini_swe_agent_runs_and_recognises_a_context_overflow(request, tmp_path):
     require("minisweagent")
+    url = request.getfixturevalue("url")
     import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.environments.local import LocalEnvironment
@@ -236,12 +244,13 @@ def test_mini_swe_agent_runs_and_recognises_a_context_overflow(url, tmp_path):
 # -- aiperf: a short fixed-length profile -------------------------------------------------------------------------
 
 
-def test_aiperf_fixed_length_profile_with_ignore_eos(url, qwen3, tmp_path):
+def test_aiperf_fixed_length_profile_with_ignore_eos(request, tmp_path):
     aiperf = os.environ.get("I3CORE_AIPERF") or shutil.which("aiperf")
     if aiperf is None:
         if os.environ.get("I3CORE_REQUIRE_CLIENTS"):
             pytest.fail("aiperf is not installed: set I3CORE_AIPERF to its executable (.ci/venv-aiperf/bin/aiperf)")
         pytest.skip("aiperf is not installed (.ci/run installs it in .ci/venv-aiperf)")
+    url, qwen3 = request.getfixturevalue("url"), request.getfixturevalue("qwen3")
     out = tmp_path / "aiperf"
     command = [aiperf, "profile", "--model", NAME, "--url", url, "--endpoint-type", "completions",
                "--tokenizer", str(qwen3), "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev",

@@ -41,12 +41,12 @@ FUNCTION = "function"
 class ResponsesRequest(RequestModel):
     """The fields of ``POST /v1/responses`` that are the Responses API's own; the sampling fields (``temperature``,
     ``top_p``, ``stream``, vLLM's extensions...) are a chat request's, under the same names (:data:`SHARED`).
-    ``user``, ``prompt_cache_key`` and ``safety_identifier`` are accepted and ignored, ``metadata`` echoed;
-    ``include``, ``text``, ``truncation``, ``reasoning`` and ``service_tier`` are accepted at values that ask
-    for nothing."""
+    ``user``, ``prompt_cache_key``, ``prompt_cache_retention`` and ``safety_identifier`` are accepted and ignored,
+    ``metadata`` echoed; ``text``, ``truncation``, ``reasoning`` and ``service_tier`` are accepted at values that
+    ask for nothing."""
 
-    unsupported: ClassVar[dict] = {"include": [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
-                                   "reasoning": {}, "service_tier": "auto"}
+    unsupported: ClassVar[dict] = {"text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": {},
+                                   "service_tier": "auto"}
 
     input: str | list[dict[str, Any]] = bounded(..., "a string or a non-empty list of items", min_length=1)
     instructions: str | None = bounded(None, "a string", "A system message before the input.")
@@ -58,6 +58,10 @@ class ResponsesRequest(RequestModel):
     store: bool = bounded(True, "true or false", f"Keep the response for previous_response_id (the last {MAX_STORED}).")
     metadata: dict[str, str] | None = bounded(None, "an object of strings", "Echoed.")
     prompt_cache_key: str | None = bounded(None, "a string")
+    prompt_cache_retention: str | None = bounded(None, "a string")
+    include: list[Literal["reasoning.encrypted_content"]] | None = bounded(
+        None, 'a list of "reasoning.encrypted_content" (this server writes no reasoning items; output logprobs and '
+              "tool outputs are not available)", "What the output items should carry beyond the default.")
     safety_identifier: str | None = bounded(None, "a string")
 
 
