@@ -205,7 +205,8 @@ def test_lm_eval_local_completions_scores_what_the_weights_say(request, tmp_path
     model = AutoModelForCausalLM.from_pretrained(qwen3).eval()
     (mc,) = [rows for name, rows in run["samples"].items() if name.startswith("i3core_mc")]
     for sample in mc:  # each choice's loglikelihood, as lm-eval read it from echo + logprobs
-        for arguments, responses in zip(sample["arguments"], sample["resps"]):
+        # lm-eval logs each request's arguments as {"gen_args_i": {"arg_0", "arg_1"}} and its responses as strings
+        for arguments, responses in zip(sample["arguments"].values(), sample["resps"], strict=True):
             context, continuation = arguments["arg_0"], arguments["arg_1"]
             loglikelihood = responses[0][0]
             whole = tokenizer(context + continuation).input_ids

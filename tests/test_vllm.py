@@ -234,7 +234,7 @@ def test_lm_eval_scores_the_same_through_vllm_and_i3core(tmp_path):
     assert ours["results"]["i3core_mc"]["acc,none"] == theirs["results"]["i3core_mc"]["acc,none"]
     (mine,), (vllms,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_mc")] for run in (ours, theirs))
     for a, b in zip(mine, vllms, strict=True):
-        assert [r[0][0] for r in a["resps"]] == pytest.approx([r[0][0] for r in b["resps"]], abs=1e-3)
+        assert [float(r[0][0]) for r in a["resps"]] == pytest.approx([float(r[0][0]) for r in b["resps"]], abs=1e-3)
     (gen_ours,), (gen_vllm,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_gen")]
                                 for run in (ours, theirs))
     assert [s["filtered_resps"] for s in gen_ours] == [s["filtered_resps"] for s in gen_vllm]  # greedy: same text
