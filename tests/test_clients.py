@@ -258,11 +258,15 @@ def test_aiperf_fixed_length_profile_with_ignore_eos(request, tmp_path):
                "--tokenizer", str(qwen3), "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev",
                "0", "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
                "--extra-inputs", "min_tokens:8", "--request-count", "8", "--concurrency", "2",
-               "--artifact-dir", str(out), "--ui-type", "none"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE})
+               "--use-server-token-count", "--artifact-dir", str(out), "--ui-type", "none"]
+    # aiperf 0.13 in HF offline mode looks a local tokenizer directory up in the hub's cache and fails: it runs
+    # "online" against a closed local port instead, so any hub call fails at once and nothing is downloaded
+    env = {k: v for k, v in {**os.environ, **OFFLINE}.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**env, "HF_ENDPOINT": "http://127.0.0.1:9"})
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     (export,) = out.rglob("profile_export_aiperf.json")
     metrics = json.loads(export.read_text())
     lengths = metrics["output_sequence_length"]
-    assert lengths["min"] == lengths["max"] == 8  # fixed length: ignore_eos and min_tokens held
+    assert lengths["min"] == lengths["max"] == 8  # fixed length (the server's usage): ignore_eos, min_tokens held
     assert metrics["request_count"]["avg"] == 8
