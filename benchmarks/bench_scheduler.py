@@ -58,7 +58,7 @@ class WindowSink:
         self.times[step] = time.perf_counter()
         self.rows[step] = metrics
         if step in self.snapshot_at:
-            self.servers[step] = [json.loads(urllib.request.urlopen(u + "/metrics", timeout=10).read()) for u in self.urls]
+            self.servers[step] = [json.loads(urllib.request.urlopen(u + "/i3/metrics", timeout=10).read()) for u in self.urls]
 
     def close(self) -> None:
         pass

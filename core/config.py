@@ -39,6 +39,10 @@ class RunSection(BaseModel):
     output_dir: Path | None = Field(None, description="Where metrics, logs and checkpoints go; default runs/<name>.")
     max_steps: int = Field(40, ge=1, description="Trainer steps to run.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    keep_rollouts: bool = Field(True, description="Write every step's rollouts to rollouts/step_N.jsonl (text, "
+                                                  "tokens, reward, outcome); `i3core rollouts RUN_DIR` prints them.")
+    rollouts_max_mb: float = Field(1024.0, gt=0, description="Size cap of rollouts/: the oldest step files are "
+                                                             "deleted first.")
 
     @property
     def out(self) -> Path:
@@ -64,6 +68,9 @@ class TrainerSection(BaseModel):
         True, description="Pack the completions of one prompt as a prefix tree (the prompt computed once), where the "
                           "model component supports it (its prefix_trees attribute; tiny-moe and hf do).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    disable_dropout: bool = Field(
+        True, description="Train with every dropout and router jitter of the model off (the engine samples without "
+                          "them; with them the trainer's logprobs differ from the engine's on the same weights).")
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary.")
     nproc: int = Field(1, ge=1, description="Trainer processes (torchrun --nproc-per-node); >1 shards with FSDP2.")
     threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")

@@ -18,6 +18,19 @@ class ServerError(I3Error):
     """An inference server answered with an error or could not be reached."""
 
 
+class SequenceFailed(I3Error):
+    """One generation failed alone on its server (non-finite logits, a sampler error); the server goes on.
+
+    Not a :class:`ServerError`: the server is not marked down; the rollout that asked is counted as failed.
+    """
+
+
+class EngineFailed(I3Error):
+    """An inference engine broke (not one request's fault) and cannot go on: every caller waiting on it gets
+    this at once. The in-process ``local`` source's run fails with it; a server process exits non-zero and its
+    supervisor restarts it."""
+
+
 class RolloutMasked(I3Error):
     """A rollout that must not be trained on, for a reason worth counting (a sandbox died mid-rollout, ...).
 

@@ -9,17 +9,26 @@ cluster) have no such variable and are not watched.
 """
 
 import os
+import secrets
 import signal
 import threading
 
 RUN_PID_ENV = "I3CORE_RUN_PID"
+ADMIN_TOKEN_ENV = "I3CORE_ADMIN_TOKEN"
+"""The token the inference servers' admin routes (weights, pause, sessions) ask for, and the run's clients send:
+``i3core run`` makes one (:func:`mark_run`); the roles of a cluster job share the one set in their environment."""
+API_KEY_ENV = "I3CORE_API_KEY"
+"""What an inference server's ``/v1/*`` asks for when ``--api-key`` is not given (vLLM reads ``VLLM_API_KEY``)."""
 WATCH_INTERVAL_S = 1.0
 """How often a watched process checks that its run is still there."""
 
 
 def mark_run() -> None:
-    """Make this process the run that the processes it starts from now on belong to."""
+    """Make this process the run that the processes it starts from now on belong to, and give the run an admin
+    token (unless its environment has one) that its servers and its clients inherit."""
     os.environ[RUN_PID_ENV] = str(os.getpid())
+    if not os.environ.get(ADMIN_TOKEN_ENV):
+        os.environ[ADMIN_TOKEN_ENV] = secrets.token_urlsafe(32)
 
 
 def run_gone() -> bool:

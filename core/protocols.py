@@ -115,7 +115,9 @@ class MetricSink(Protocol):
         """Start writing under the run's output directory."""
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        """Record one trainer step's metrics."""
+        """Record one trainer step's metrics. A sink may also have ``write_rollouts(step, lines)``: the step's
+        rollouts as :mod:`i3core.loop.rollouts` writes them (dicts, trained ones first), called just before
+        ``write`` for the same step (e.g. the wandb sink's sample table)."""
 
     def close(self) -> None:
         """Flush and release; called once, also after a failure."""

@@ -86,6 +86,8 @@ class Rollout:
     advantage: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    finish_reason: str | None = None
+    """Why the last model turn ended (``stop``, ``length``, ... as the server said); None if nothing was generated."""
     completion_turns: list[int] = field(default_factory=list)
     """The turn (0, 1, ...) of each completion token; empty means one turn."""
     turn_rewards: list[float] = field(default_factory=list)

@@ -6,7 +6,8 @@
 
 The directory is what ``[model] use = "hf"``, ``path = DIR`` trains (see examples/hf_model.toml): transformers
 builds the model from its config.json, ``tokenizers`` trains a byte-level BPE on the text of the tiny envs
-(reverse-text's prompts, arithmetic, a calculator's tool calls) with ChatML specials, and the tokenizer carries a
+(their words, arithmetic, a calculator's tool calls; not reverse-text's random strings, see :func:`corpus`) with
+ChatML specials, and the tokenizer carries a
 ChatML chat template whose turns end with ``<|im_end|>`` (also the eos token). Nothing is downloaded.
 
 Tests import :func:`make_hf_model` to build each architecture.
@@ -46,13 +47,16 @@ CHAT_TEMPLATE = (
 
 
 def corpus(seed: int = 0, lines: int = 4000) -> list[str]:
-    """Text like the tiny envs' prompts and answers, for the BPE's merges."""
+    """Text like the tiny envs' prompts and answers, for the BPE's merges: their words, numbers and tool calls,
+    but not reverse-text's random letter strings. Merges learned from those (``"cb"``, ``" a"``, ``"de"``) cut a
+    string and its reverse into different tokens, and the recipe of examples/hf_model.toml then hardly learns:
+    measured on 2026-12-05 (docs/benchmarks.md, bench_quickstart), +0.04 reward over 200 steps with such merges
+    and +0.31 without them, everything else equal."""
     rng = random.Random(seed)
     out = []
     for _ in range(lines):
-        word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 8)))
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        out += [f"reverse {word}:", word[::-1], f"{a} + {b} = {a + b}", f"What is {a} * {b}?",
+        out += ["reverse", f"{a} + {b} = {a + b}", f"What is {a} * {b}?",
                 '<tool_call>{"name": "calc", "arguments": {"expression": "' + f"{a}*{b}" + '"}}</tool_call>']
     out.append(string.printable)
     return out
@@ -81,13 +85,13 @@ def model_config(architecture: str, vocab_size: int, eos_id: int, pad_id: int, *
                   num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=pad_id,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    common.update(overrides)
+    common = {"intermediate_size": 256, **common, **overrides}
     if architecture == "qwen3":
-        return Qwen3Config(intermediate_size=256, **common)
+        return Qwen3Config(**common)
     if architecture == "llama":
-        return LlamaConfig(intermediate_size=256, **common)
+        return LlamaConfig(**common)
     if architecture == "qwen3_moe":
-        return Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=128, num_experts=8,
+        return Qwen3MoeConfig(moe_intermediate_size=128, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, **common)
     raise ValueError(f"architecture must be one of {ARCHITECTURES}, not {architecture!r}")
 

@@ -2,6 +2,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import os
 import socket
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def torchrun_trainer(config_path: Path, nproc: int, *args: str, timeout: float =
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
 
-async def wait_until_running(client, metrics_path: str = "/metrics", task=None) -> None:
+async def wait_until_running(client, metrics_path: str = "/i3/metrics", task=None) -> None:
     """Until the server reports a running sequence (bounded: about 5 s), or ``task`` is done."""
     for _ in range(500):
         if (await client._request("GET", metrics_path))["running"] >= 1 or (task is not None and task.done()):
@@ -170,29 +171,48 @@ SERVED_MODEL = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_head
 """A tiny-moe small enough to serve in a test."""
 
 
+ADMIN_TOKEN = "test-admin-token"
+"""The admin token :func:`i3core_serve` starts its server with (and puts in this process's environment meanwhile, so
+the project's own clients send it)."""
+
+
 @contextlib.contextmanager
-def i3core_serve(directory: Path, name: str, max_len: int = 1024):
-    """``i3core serve DIR`` in a subprocess on a fresh :data:`SERVED_MODEL` saved to ``directory``, served as
-    ``name``; yields its base URL, stops it afterwards."""
+def i3core_serve(directory: Path, name: str, max_len: int = 1024, prepare=None, args: tuple[str, ...] = ()):
+    """``i3core serve DIR --enable-admin`` (admin token :data:`ADMIN_TOKEN`) in a subprocess on a fresh
+    :data:`SERVED_MODEL` saved to ``directory`` (after ``prepare(module)`` sets its weights, when given), served as
+    ``name``; yields its base URL, stops it afterwards. Its log is ``directory``'s sibling ``serve.log``."""
+    from i3core.lifetime import ADMIN_TOKEN_ENV
+
     model = make_component("model", "tiny-moe", **SERVED_MODEL)
-    model.save_hf(model.build(seed=0), directory)
+    module = model.build(seed=0)
+    if prepare is not None:
+        prepare(module)
+    model.save_hf(module, directory)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
-                             "--max-len", str(max_len), "--served-model-name", name,
-                             "--model-option", f"hidden_size={SERVED_MODEL['hidden_size']}"],  # options reach it
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_path = directory.parent / "serve.log"
+    before = os.environ.get(ADMIN_TOKEN_ENV)
+    os.environ[ADMIN_TOKEN_ENV] = ADMIN_TOKEN
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
+                                 "--max-len", str(max_len), "--served-model-name", name, "--enable-admin",
+                                 "--model-option", f"hidden_size={SERVED_MODEL['hidden_size']}", *args],
+                                stdout=log_file, stderr=subprocess.STDOUT)  # a pipe nobody reads would fill
     try:
         for _ in range(300):
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     break
             except OSError:
-                assert proc.poll() is None, proc.stdout.read()
+                assert proc.poll() is None, log_path.read_text()
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+        if before is None:
+            os.environ.pop(ADMIN_TOKEN_ENV, None)
+        else:
+            os.environ[ADMIN_TOKEN_ENV] = before
 

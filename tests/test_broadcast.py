@@ -59,7 +59,7 @@ def test_a_server_takes_a_broadcast_in_flight_and_refuses_a_bad_one(tmp_path):
                 await client.update_weights(None, 2)
             health = await client.health()
             still = await client.complete("abc", max_tokens=4, temperature=1.0)
-            metrics = await client._request("GET", "/metrics")
+            metrics = await client._request("GET", "/i3/metrics")
             rendezvous.close()  # the store goes away: the group is gone for good
             del rendezvous.store
             gc.collect()

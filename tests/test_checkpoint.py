@@ -189,6 +189,13 @@ def test_a_run_whose_trainer_is_killed_resumes_from_its_last_checkpoint(tmp_path
     for state in states[resumed_from:]:  # after the resume: prompts redrawn, then the stream where it was
         assert all(p in saved.redraw or p >= saved.next_position for p in state.batch_positions)
     assert checkpoint.complete_steps(out / "checkpoints") == [6, 8]
+    # rollouts/step_N.jsonl: one file per step, each with its batch's 64 trained rollouts (the killed run's files
+    # of later steps were deleted on resume and written again)
+    files = sorted((out / "rollouts").glob("step_*.jsonl"))
+    assert sorted(int(f.stem.removeprefix("step_")) for f in files) == list(range(1, 9))
+    for path in files:
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert sum(line["outcome"] == "trained" for line in lines) == 64, path
 
 
 @pytest.mark.slow

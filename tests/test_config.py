@@ -36,7 +36,7 @@ def test_three_mistakes_three_errors_exit_2_no_traceback(tmp_path):
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        "error: run.max_step: unknown key (did you mean 'max_steps'?); valid keys: name, output_dir, max_steps, seed",
+        "error: run.max_step: unknown key (did you mean 'max_steps'?); valid keys: name, output_dir, max_steps, seed, keep_rollouts, rollouts_max_mb",
         "error: loss.mask_lo: unknown key (did you mean 'mask_low'?); valid keys: mask_low, mask_high, "
         "rollout_min_ratio",
         "error: optimizer.use: unknown optimizer 'adamx' (did you mean 'adamw'?); available: adamw (i3core), "

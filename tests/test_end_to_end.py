@@ -42,6 +42,44 @@ def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
     assert (out / "broadcasts" / "step_6" / "STABLE").exists()
     assert (out / "plot.png").stat().st_size > 0
     assert "Traceback" not in stderr
+    check_rollout_files(out, rows)
+
+
+def check_rollout_files(out, rows):
+    """rollouts/step_N.jsonl of every step: each trained rollout of the step's batch, as its env scored it, with
+    the keys DESIGN.md names; `i3core rollouts` prints a step and says in one line what it cannot."""
+    from i3core.plugins.envs.reverse_text import ReverseText
+
+    env = ReverseText(ReverseText.Config(num_examples=2000, min_len=3, max_len=5, alphabet="abcdef", max_tokens=8))
+    examples = {e.id: e for e in env.examples()}
+    for row in rows:
+        lines = [json.loads(line) for line in (out / "rollouts" / f"step_{row['step']}.jsonl").read_text().splitlines()]
+        trained = [line for line in lines if line["outcome"] == "trained"]
+        assert len(trained) == 64 and {line["outcome"] for line in lines} <= {"trained", "dropped"}
+        assert sum(line["reward"] for line in trained) / 64 == pytest.approx(row["reward/mean"])
+        for line in trained:
+            assert {"prompt", "completion", "reward", "advantage", "finish_reason", "prompt_ids", "completion_ids",
+                    "loss_mask", "versions", "env", "outcome"} <= set(line)
+            example = examples[line["example"]]
+            assert line["env"] == "reverse-text" and line["prompt"] == example.prompt
+            assert line["reward"] == pytest.approx(env.score(line["completion"], example))
+            assert len(line["completion_ids"]) == len(line["loss_mask"]) == len(line["versions"]) <= 8
+            assert line["finish_reason"] in ("stop", "length") and all(line["loss_mask"])
+            assert all(row["step"] - 1 - 8 <= v <= row["step"] - 1 for v in line["versions"])
+        # a group's advantages are R - mean(R) over the group
+        groups = {}
+        for line in trained:
+            groups.setdefault(line["example"], []).append(line)
+        for group in groups.values():
+            mean = sum(line["reward"] for line in group) / len(group)
+            assert all(line["advantage"] == pytest.approx(line["reward"] - mean) for line in group)
+    shown = subprocess.run([sys.executable, "-m", "i3core.cli", "rollouts", str(out), "--step", "2"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.startswith("step 2: ") and "reverse-text" in shown.stdout
+    result = subprocess.run([sys.executable, "-m", "i3core.cli", "rollouts", str(out), "--step", "99"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        f"error: {out} has no rollouts of step 99 (steps 1-6 are kept)"]
 
 
 KEEP_GENERATING = "scheduler.max_sample_lag=8"

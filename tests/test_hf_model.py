@@ -367,18 +367,56 @@ def test_a_bad_model_directory_is_one_line(tmp_path, kind, expect):
     assert "Traceback" not in result.stderr
 
 
+# -- dropout ----------------------------------------------------------------------------------------------------
+
+
+def test_training_forward_has_no_dropout_once_disabled(tmp_path):
+    """A Qwen3 with attention dropout 0.5: in train mode two forwards differ until :func:`disable_dropout` turns
+    it off; then train mode gives exactly the engine's (eval) output, and the published config keeps its dropout."""
+    from i3core.loop.trainer import disable_dropout
+
+    model = component(make_hf_model(tmp_path / "drop", attention_dropout=0.5)).build()
+    ids, positions = torch.tensor([[5, 9, 13, 7, 21, 4]]), torch.arange(6)[None]
+    model.train()
+    torch.manual_seed(0)
+    assert not torch.equal(model(ids, positions), model(ids, positions))  # dropout is on: the test can fail
+    off = disable_dropout(model)
+    assert off and all(name.endswith(".attention_dropout") for name in off), off
+    trained = model(ids, positions)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(trained.detach(), model(ids, positions))
+    model.train()
+    assert disable_dropout(model) == []
+    assert json.loads((tmp_path / "drop" / "config.json").read_text())["attention_dropout"] == 0.5
+
+
+@pytest.mark.slow
+def test_i3core_run_on_a_model_with_dropout_matches_the_servers_logprobs(tmp_path):
+    """[trainer] disable_dropout (the default): trainer and servers agree on version 0 as on a model without
+    dropout; with it kept, they do not (the bias the option removes)."""
+    directory = make_hf_model(tmp_path / "drop", attention_dropout=0.3)
+    rows = hf_run(tmp_path / "off", directory, "run.max_steps=1", "scheduler.batch_size=16",
+                  "scheduler.group_size=4", "scheduler.inflight=16")
+    assert rows[0]["mismatch/same_version_tokens"] > 0 and rows[0]["mismatch/same_version_abs_diff"] < 1e-4
+    kept = hf_run(tmp_path / "kept", directory, "run.max_steps=1", "scheduler.batch_size=16",
+                  "scheduler.group_size=4", "scheduler.inflight=16", "trainer.disable_dropout=false")
+    assert kept[0]["mismatch/same_version_abs_diff"] > 1e-2
+
+
 # -- the whole stack ----------------------------------------------------------------------------------------------
 
 
-def hf_run(tmp_path, directory, *sets, config=None):
+def hf_run(tmp_path, directory, *sets, config=None, servers=True):
     """``i3core run`` on examples/hf_model.toml (or ``config``, its text) with a short SFT + 3 RL steps on two builtin
-    servers; the rows."""
+    servers (``servers``; else the example's in-process engine); the rows."""
     out = tmp_path / "run"
     path = ROOT / "examples" / "hf_model.toml"
     if config is not None:
         path = tmp_path / "hf_model.toml"
         path.write_text(config)
-    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5", *SERVERS, *sets]
+    sets = [f"run.output_dir='{out}'", f"model.path='{directory}'", "run.max_steps=3", "sft.steps=5", *(SERVERS if servers else ()),
+            *sets]
     proc = subprocess.run([sys.executable, "-m", "i3core.cli", "run", str(path),
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,10 +1,12 @@
 """The builtin inference server as real processes on 127.0.0.1: API, logprobs, updates, bad requests."""
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from i3core.errors import ServerError
 from i3core.plugins.inference.client import InferenceClient
@@ -146,11 +148,21 @@ def test_health_and_metrics(served):
     async def get(path):
         async with aiohttp.ClientSession() as session:
             async with session.get(url + path) as response:
-                return await response.json()
+                return response.headers["Content-Type"], await response.text()
 
-    assert run(get("/health"))["status"] == "ok"
-    metrics = run(get("/metrics"))
-    assert metrics["max_slots"] == 8 and metrics["tokens_generated"] > 0
+    assert json.loads(run(get("/health"))[1])["status"] == "ok"
+    counters = json.loads(run(get("/i3/metrics"))[1])
+    assert counters["max_slots"] == 8 and counters["tokens_generated"] > 0
+    kind, text = run(get("/metrics"))
+    assert kind.startswith("text/plain")
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "i3core:kv_slots_used", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+        assert name in samples, name
+    assert samples["i3core:kv_slots"].value == 8 and samples["i3core:kv_slots"].labels["model_name"]
+    assert samples["vllm:generation_tokens_total"].value == counters["tokens_generated"]
+    assert samples["vllm:prompt_tokens_total"].value > 0 and samples["vllm:time_to_first_token_seconds_count"].value > 0
 
 
 MALFORMED = [

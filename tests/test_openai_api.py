@@ -23,7 +23,7 @@ from i3core.plugins.inference.server import builtin_server, make_app, model_comp
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.testing import make_component, plugin_manager
 
-from .conftest import SERVED_MODEL, i3core_serve
+from .conftest import ADMIN_TOKEN, SERVED_MODEL, i3core_serve
 
 NAME = "tiny-served"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Reverse 'abc'."}]
@@ -295,10 +295,13 @@ def test_token_in_generate_as_vllm_serves_it_with_session_versions(served):
                 assert response.status == 200
                 data = await response.json()
             async with session.get(url + "/inference/v1/sessions/episode-1") as response:
+                assert response.status == 401  # the session routes are the run's: they ask for the admin token
+            admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            async with session.get(url + "/inference/v1/sessions/episode-1", headers=admin) as response:
                 record = await response.json()
-            async with session.delete(url + "/inference/v1/sessions/episode-1") as response:
+            async with session.delete(url + "/inference/v1/sessions/episode-1", headers=admin) as response:
                 assert response.status == 200
-            async with session.get(url + "/inference/v1/sessions/episode-1") as response:
+            async with session.get(url + "/inference/v1/sessions/episode-1", headers=admin) as response:
                 assert response.status == 404
         return data, record
 
@@ -417,12 +420,12 @@ def test_tool_calls_are_parsed_into_message_tool_calls_streamed_or_not(scripted)
     whole, chunks, plain = asyncio.run(scenario())
     ChatCompletion.model_validate(whole.model_dump(), strict=True)
     choice = whole.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add. "
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and call.function.name == "add"
     assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed.strip() == "Let me add." and "<tool_call" not in streamed  # the call is not streamed as text
+    assert streamed == "Let me add. " and "<tool_call" not in streamed  # the call is not streamed as text
     (streamed_call,) = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
     assert streamed_call.function.name == "add" and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert plain.choices[0].message.content == CALLING and plain.choices[0].finish_reason == "stop"  # no tools
@@ -457,6 +460,81 @@ def test_stop_strings_cut_the_text_streamed_or_not(scripted):
     # ignore_eos passes the end-of-text token, but the chat template's end-of-turn tokens still stop it (as vLLM)
     assert late.choices[0].finish_reason == "stop" and late.choices[0].message.content == "one, two, three, four"
     assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
+
+
+@pytest.mark.parametrize("text", [
+    'Sure. <tool_call>{"name": "add", "arguments": </tool_call> and then more text',  # not JSON
+    "Sure. <tool_call> never closed, and text after it",
+    'A <tool_call>{"arguments": {}}</tool_call> call without a name',
+])
+def test_a_malformed_tool_block_stays_text_streamed_exactly_as_not(scripted, text):
+    start, set_script = scripted
+    messages = [{"role": "user", "content": "2 + 3?"}]
+    set_script(messages, text, TOOLS)
+
+    async def scenario():
+        http, client = await start()
+        try:
+            whole = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                         temperature=0)
+            stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                          temperature=0, stream=True)
+            chunks = [c async for c in stream]
+        finally:
+            await client.close()
+            await http.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(scenario())
+    assert whole.choices[0].message.content == text and whole.choices[0].finish_reason == "stop"
+    assert not whole.choices[0].message.tool_calls
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # nothing held back
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra", [
+    {"max_tokens": 12, "stop_token_ids": []},  # finish_reason length
+    {"max_tokens": 40},  # stop at the end-of-sequence token, or length
+    {"max_tokens": 10, "temperature": 0},
+    {"max_tokens": 1000, "stop_token_ids": []},  # max_len ends it
+])
+def test_streamed_completions_equal_whole_ones_in_text_ids_logprobs_and_versions(served, extra):
+    """For the same seed and n = 3: the concatenated stream is the whole answer, choice by choice (i3core's extras
+    included), with the same finish reason."""
+    url, _ = served
+    body = {"prompt": [97, 98, 99], "n": 3, "seed": 11, "logprobs": 2, "temperature": 1.0, **extra}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=body) as response:
+                whole = await response.json()
+            async with session.post(url + "/v1/completions", json={**body, "stream": True}) as response:
+                events = [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+        return whole, events
+
+    whole, events = asyncio.run(scenario())
+    assert events[-1] == "[DONE]"
+    pieces = {i: {"text": "", "token_ids": [], "versions": [], "logprobs": [], "tokens": [], "finish": None}
+              for i in range(3)}
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            piece = pieces[choice["index"]]
+            piece["text"] += choice["text"]
+            piece["token_ids"] += choice.get("token_ids", [])
+            piece["versions"] += choice.get("versions", [])
+            if choice["logprobs"]:
+                piece["logprobs"] += choice["logprobs"]["token_logprobs"]
+                piece["tokens"] += choice["logprobs"]["tokens"]
+            piece["finish"] = choice["finish_reason"] or piece["finish"]
+    for choice in whole["choices"]:
+        piece = pieces[choice["index"]]
+        assert piece["text"] == choice["text"]
+        assert piece["token_ids"] == choice["token_ids"] and piece["versions"] == choice["versions"]
+        assert piece["logprobs"] == choice["logprobs"]["token_logprobs"]
+        assert piece["tokens"] == choice["logprobs"]["tokens"]
+        assert piece["finish"] == choice["finish_reason"]
+    if body["temperature"]:
+        assert len({tuple(c["token_ids"]) for c in whole["choices"]}) == 3  # seed + i: three different samples
 
 
 RESPONSE_TOOLS = [{"type": "function", "name": "add", "description": "Add.", "strict": False, "parameters": {
@@ -500,7 +578,7 @@ def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_
             called = Response.model_validate(json.loads(whole.text), strict=True)
             (call,) = [item for item in called.output if item.type == "function_call"]
             follow = [{"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
-            history = [*first, {"role": "assistant", "content": "Let me add.", "tool_calls": [
+            history = [*first, {"role": "assistant", "content": called.output_text, "tool_calls": [
                 {"id": call.call_id, "type": "function", "function": {"name": "add", "arguments": call.arguments}}]},
                        {"role": "tool", "tool_call_id": call.call_id, "content": "5"}]
             set_script(history, "It is 5.", chat_tools)
@@ -511,7 +589,7 @@ def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_
                 model="scripted", instructions="Be brief.", tools=RESPONSE_TOOLS, temperature=0, input=[
                     {"role": "user", "content": "2 + 3?"},
                     {"type": "message", "role": "assistant", "content": [
-                        {"type": "output_text", "text": "Let me add.", "annotations": []}]},
+                        {"type": "output_text", "text": called.output_text, "annotations": []}]},
                     {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
                     *follow])
             with pytest.raises(openai.BadRequestError, match="web_search are not supported") as refused:
@@ -524,7 +602,7 @@ def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_
         return called, raw_events.decode(), answer, again, refused.value
 
     called, raw_events, answer, again, refused = asyncio.run(scenario())
-    assert called.status == "completed" and called.output_text == "Let me add."
+    assert called.status == "completed" and called.output_text == "Let me add. "  # the text before the call
     (call,) = [item for item in called.output if item.type == "function_call"]
     assert call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3} and call.call_id.startswith("call_")
     assert called.usage.total_tokens == called.usage.input_tokens + called.usage.output_tokens
@@ -538,7 +616,7 @@ def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_
                           "response.completed"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas.strip() == "Let me add." and "<tool_call" not in deltas
+    assert deltas == called.output_text and "<tool_call" not in deltas  # a stream sends the same bytes
     done = events[-1].response
     assert done.output[-1].name == "add" and json.loads(done.output[-1].arguments) == {"a": 2, "b": 3}
     assert answer.output_text == again.output_text == "It is 5."  # the stored conversation is the one sent whole

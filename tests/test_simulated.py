@@ -116,7 +116,7 @@ def test_the_simulated_source_serves_the_builtin_api_with_slot_metrics(tmp_path)
             async with aiohttp.ClientSession() as session:
                 async with session.post(url + "/update_weights", json={"path": str(tmp_path), "version": 1}) as bad:
                     assert bad.status == 400
-                async with session.get(url + "/metrics") as response:
+                async with session.get(url + "/i3/metrics") as response:
                     metrics = await response.json()
             await client.update_weights(str(tmp_path / "v0"), 1)
             after = await client.complete("abc", max_tokens=100, temperature=1.0)

@@ -4,7 +4,8 @@ The environment is a small taskset written here (a module in a temporary directo
 any installed taskset is) played by verifiers' ``null`` harness: its chat program, a PEP 723 script, runs in the
 local ``subprocess`` runtime and talks to verifiers' interception server, which forwards each turn to ``i3core
 serve`` on a saved tiny-moe (random weights: the text is noise; what is checked is that rewards, token ids,
-logprobs and the server's per-token versions come back and agree with each other).
+logprobs and the server's per-token versions come back and agree with each other), and on a scripted one whose
+weights make it write "z" whatever it reads (so it says the word "zzz" of one task and not "abc" of another).
 
 verifiers prepares that chat program with ``uv sync --script`` on first use, which needs its dependencies. Nothing
 may be downloaded while the tests run, so ``.ci/run`` downloads them into a wheelhouse (``$I3CORE_VERIFIERS_WHEELS``,
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 import uv
 import verifiers.v1 as vf
 from transformers import AutoTokenizer
@@ -60,12 +62,35 @@ TASKSET = textwrap.dedent('''
 
     class EchoTaskset(vf.Taskset[EchoTask, EchoConfig]):
         def load(self):
-            words = ["abc", "xyz", "hello"][: self.config.num_tasks]
+            words = ["abc", "zzz", "hello"][: self.config.num_tasks]
             return [EchoTask(EchoData(prompt=f"Say {w}.", word=w), self.config.task) for w in words]
 
 
     __all__ = ["EchoTaskset"]
 ''')
+
+
+UNSCORED = TASKSET.replace("@vf.reward(weight=1.0)", "@vf.metric").replace("def says_word", "def said_word")
+"""The same taskset with no reward function: its episodes end unscored."""
+SAYS = "z"
+"""What the scripted model writes, token after token."""
+
+
+def parrot(module) -> None:
+    """Weights under which tiny-moe writes :data:`SAYS` whatever it reads: every token embeds to the same vector,
+    no block adds to it (zero output projections), so the last hidden state is constant and the LM head gives
+    :data:`SAYS` logit 16 and every other token 0 (logprob about -3e-5: the sampler still draws it)."""
+    from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
+
+    (say,) = build_tokenizer().encode(SAYS).ids
+    with torch.no_grad():
+        module.embed.weight.fill_(1.0)
+        for block in module.blocks:
+            block.attn.o_proj.weight.zero_()
+            block.moe.down.zero_()
+        module.norm.weight.fill_(1.0)
+        module.lm_head.weight.zero_()
+        module.lm_head.weight[say] = 16.0 / module.lm_head.weight.shape[1]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +105,7 @@ def offline_uv(tmp_path_factory):
         pytest.skip(reason)
     modules = tmp_path_factory.mktemp("taskset")
     (modules / "i3_echo_taskset.py").write_text(TASKSET)
+    (modules / "i3_unscored_taskset.py").write_text(UNSCORED)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PATH", f"{Path(uv.find_uv_bin()).parent}{os.pathsep}{os.environ['PATH']}")
         patch.setenv("UV_DEFAULT_INDEX", wheels.as_uri())  # in place of PyPI: uv has no variable for --no-index
@@ -98,6 +124,14 @@ def served(tmp_path_factory):
     with i3core_serve(directory, NAME) as url:
         config = json.loads((directory / "tokenizer_config.json").read_text())
         assert config["chat_template"]  # save_hf writes it: what verifiers' renderer reads
+        yield url, directory
+
+
+@pytest.fixture(scope="module")
+def parrot_served(tmp_path_factory):
+    """``i3core serve`` on the scripted tiny-moe of :func:`parrot`; yields (base URL, model dir)."""
+    directory = tmp_path_factory.mktemp("parrot") / "model"
+    with i3core_serve(directory, NAME, prepare=parrot) as url:
         yield url, directory
 
 
@@ -186,31 +220,55 @@ def test_train_client_gets_token_ids_logprobs_and_session_versions(offline_uv, s
 # -- [env] use = "verifiers": episodes as i3core Rollouts ---------------------------------------------------------
 
 
-def test_verifiers_env_component_turns_episodes_into_rollouts(offline_uv, served):
+def env_rollouts(url, directory, taskset, examples=None):
+    """``[env] use = "verifiers"`` on ``taskset`` (its first two tasks), two rollouts of each example against the
+    server at ``url``; (examples, results: a Rollout or the exception each rollout raised)."""
     from i3core.plugins.inference.client import InferenceClient
 
-    url, directory = served
-    env = make_component("env", "verifiers", id="i3_echo_taskset", args={"num_tasks": 1},
-                         renderer_model=str(directory), max_tokens=MAX_TOKENS, max_turns=2)
-    (example,) = env.examples()
-    assert example.prompt == "Say abc."
+    env = make_component("env", "verifiers", id=taskset, args={"num_tasks": 2}, renderer_model=str(directory),
+                         max_tokens=MAX_TOKENS, max_turns=2)
+    examples = env.examples()
     tokenizer = AutoTokenizer.from_pretrained(directory)
 
     async def scenario():
         client = InferenceClient(url, tokenizer)
         try:
-            return await asyncio.gather(*(env.rollout(client, example) for _ in range(2)))
+            return await asyncio.gather(*(env.rollout(client, e) for e in examples for _ in range(2)),
+                                        return_exceptions=True)
         finally:
             await client.close()
 
-    for rollout in asyncio.run(scenario()):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say abc."}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
-        assert rollout.prompt_ids == prompt and 0 < len(rollout.completion_ids) <= MAX_TOKENS
-        assert all(rollout.completion_mask) and rollout.completion_versions == [0] * len(rollout.completion_ids)
-        assert all(lp < 0 for lp in rollout.completion_logprobs)
-        assert rollout.reward == float("abc" in rollout.completion_text) == rollout.metrics["reward/says_word"]
-        assert rollout.metrics["reply_chars"] == len(rollout.completion_text)
+    return examples, asyncio.run(scenario())
+
+
+def test_verifiers_env_component_turns_episodes_into_rollouts(offline_uv, parrot_served):
+    """A model that says the task's word gets reward 1, one that does not gets 0: the env's reward is the task's."""
+    url, directory = parrot_served
+    examples, results = env_rollouts(url, directory, "i3_echo_taskset")
+    assert [e.prompt for e in examples] == ["Say abc.", "Say zzz."]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    for rollout in results:
+        assert not isinstance(rollout, BaseException), rollout
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": rollout.example.prompt}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert rollout.prompt_ids == prompt and len(rollout.completion_ids) == MAX_TOKENS
+        assert rollout.completion_text == SAYS * MAX_TOKENS and rollout.finish_reason == "length"
+        assert all(rollout.completion_mask) and rollout.completion_versions == [0] * MAX_TOKENS
+        assert all(-1e-3 < lp < 0 for lp in rollout.completion_logprobs)
+        assert rollout.metrics["reply_chars"] == MAX_TOKENS
+    assert [r.reward for r in results] == [0.0, 0.0, 1.0, 1.0]  # "abc" is not said; "zzz" is
+    assert [r.metrics["reward/says_word"] for r in results] == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_an_unscored_episode_is_masked_with_its_reason(offline_uv, parrot_served):
+    """A taskset with no reward function: verifiers sums no reward to 0, which must not train as a score of 0."""
+    from i3core.errors import RolloutMasked
+
+    url, directory = parrot_served
+    _, results = env_rollouts(url, directory, "i3_unscored_taskset")
+    assert len(results) == 4
+    for result in results:
+        assert isinstance(result, RolloutMasked) and result.reason == "verifiers_unscored", result
 
 
 def test_a_verifiers_id_that_is_not_installed_is_one_clear_line():

@@ -209,6 +209,45 @@ def test_vllm_serves_an_hf_model_with_the_trainers_logprobs(tmp_path):
 
 
 
+def test_vllm_serves_each_adapter_version_of_a_lora_run_in_flight(tmp_path):
+    """``[model.lora]`` on the vllm source: vLLM runs the base with LoRA enabled, version 0's adapter from the start
+    and version 1's loaded in flight through its adapter API; each completion samples with the trainer's
+    logprobs of its own version (a Qwen3 dense built by transformers from config)."""
+    require_vllm()
+    from .test_hf_model import make_hf_model
+    from .test_lora import LORA, perturbed
+
+    directory = make_hf_model(tmp_path / "made", "qwen3")
+    hf = make_component("model", "hf", path=str(directory), lora=LORA)
+    v0, v1 = hf.build(seed=0), perturbed(hf.build(seed=0))
+    disk = make_component("weight_sync", "filesystem", keep=5)
+    root = tmp_path / "broadcasts"
+    for version, model in enumerate((v0, v1)):
+        disk.write(root, version, lambda d, m=model: hf.save_hf(m, d))
+    source = make_component("rollout_source", "vllm", servers=1, max_slots=8, max_len=256, python=PYTHON)
+    (url,) = source.start(disk.location(root, 0), tmp_path / "logs",
+                          model={"use": "hf", "path": str(directory), "lora": LORA})
+
+    async def scenario():
+        client = source.client(url, hf.tokenizer(), [hf.eos_token_id])
+        try:
+            first = await client.complete("reverse abc:", max_tokens=24, temperature=1.0, seed=3)
+            await client.update_weights(str(disk.location(root, 1)), 1)
+            second = await client.complete("reverse abc:", max_tokens=24, temperature=1.0, seed=3)
+            return first, second
+        finally:
+            await client.close()
+
+    try:
+        first, second = run(scenario())
+    finally:
+        source.close()
+    assert first.versions == [0] * len(first.token_ids) and second.versions == [1] * len(second.token_ids)
+    assert mean_abs_diff(v0, first) < 1e-3
+    assert mean_abs_diff(v1, second) < 1e-3
+    assert mean_abs_diff(v0, second) > 1e-2  # version 1's adapter is what sampled it
+
+
 @pytest.mark.clients
 def test_lm_eval_scores_the_same_through_vllm_and_i3core(tmp_path):
     """lm-eval's local-completions (default tokenized requests: batched token-id prompts, echo with logprobs) on

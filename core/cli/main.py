@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="folder for the PNGs and index.html (default: RUN_DIR/plots)")
     plot.set_defaults(func=cmd_plot)
 
+    rollouts = commands.add_parser("rollouts", help="print a run's rollouts of one step (rollouts/step_N.jsonl)",
+                                   description="Each rollout of a step as its env scored it: prompt, completion, "
+                                   "reward, advantage, finish reason, ledger outcome, token counts and versions.")
+    rollouts.add_argument("run_dir", type=Path, help="a run's output directory (holds rollouts/)")
+    rollouts.add_argument("--step", type=positive_int, default=None, help="which step (default: the newest kept)")
+    rollouts.add_argument("--limit", type=positive_int, default=None, help="print at most this many rollouts")
+    rollouts.set_defaults(func=cmd_rollouts)
+
     inference = commands.add_parser("inference", help="one inference server of the run (for clusters)",
                                     description="Wait for the trainer's version 0 in the shared output_dir, then "
                                     "become server INDEX of the [inference] rollout source.")
@@ -164,7 +172,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an option of that component (repeatable; values parse as TOML)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send and responses echo (default: DIR)")
+    serve.add_argument("--lora", type=Path, default=None, metavar="ADAPTER_DIR",
+                       help="serve this LoRA adapter (PEFT's directory, e.g. a run's version or `i3core export`) on "
+                            "the base DIR; /update_weights then takes adapter versions (default: DIR alone)")
+    serve.add_argument("--api-key", default=None,
+                       help="a Bearer token /v1/* asks for, as vLLM's --api-key (default: $I3CORE_API_KEY; none: open)")
+    serve.add_argument("--enable-admin", action="store_true",
+                       help="serve the admin routes (/update_weights, /pause, /resume, sessions); they ask for "
+                            "--admin-token (default: off, 404)")
+    serve.add_argument("--admin-token", default=None,
+                       help="the Bearer token the admin routes ask for (default: $I3CORE_ADMIN_TOKEN)")
+    serve.add_argument("--weights-root", type=Path, action="append", default=[], metavar="DIR",
+                       help="a directory /update_weights may load from (repeatable; default: DIR's parent)")
+    serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                       help="on SIGTERM/SIGINT, seconds requests in flight may take before they get a 503")
     serve.set_defaults(func=cmd_serve)
+
+    export = commands.add_parser("export", help="a run's checkpoint as a model directory (the adapter, or merged)",
+                                 description="Write checkpoint N of the run in RUN_DIR to OUT: a LoRA run's adapter "
+                                 "as PEFT writes it, or with --merge the base with the adapter merged (a plain "
+                                 "transformers directory); a full fine-tuning run's weights as an HF directory.")
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's output_dir")
+    export.add_argument("--step", type=positive_int, required=True, help="the checkpoint (checkpoints/step_N)")
+    export.add_argument("--merge", action="store_true", help="merge the adapter into the base's weights")
+    export.add_argument("out", type=Path, metavar="OUT", help="the directory to write (new or empty)")
+    export.set_defaults(func=cmd_export)
 
     orchestrator = commands.add_parser("orchestrator", help="the orchestrator alone, on given servers (for clusters)",
                                        description="Drive rollouts on the given inference servers and feed the "
@@ -289,15 +321,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except tomllib.TOMLDecodeError:
             options[key] = value  # a bare string
     plugins = load_plugins()
+    weights = args.model_dir
+    if args.lora is not None:  # the base is DIR, given to the component as its `path`; the adapter goes on it
+        if not (args.lora / "adapter_config.json").is_file():
+            raise I3Error(f"--lora {args.lora} is not an adapter directory (no adapter_config.json)")
+        options.setdefault("path", str(args.model_dir.resolve()))
+        weights = args.lora
     model = {"use": args.model, **options}
     build_component("model", model, plugins)  # an unknown component or a bad option: exit 2, one line each
     source = build_component("inference", {"use": "builtin", "servers": 1, "host": args.host, "restarts": 0,
                                            "max_slots": args.max_slots, "max_len": args.max_len,
                                            "threads": args.threads, "served_model_name": args.served_model_name},
                              plugins)
-    cmd = source.command(0, args.port, args.model_dir.resolve(), 0, None, model)
+    cmd = source.command(0, args.port, weights.resolve(), 0, None, model)
+    cmd += ["--log-format", "console", "--shutdown-grace-s", str(args.shutdown_grace_s),
+            *(f"--weights-root={root.resolve()}" for root in args.weights_root)]
+    # secrets travel in the environment, not on a command line every user of the machine can read
+    from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV
+
+    if args.api_key:
+        os.environ[API_KEY_ENV] = args.api_key
+    if args.admin_token:
+        os.environ[ADMIN_TOKEN_ENV] = args.admin_token
+    if not args.enable_admin:
+        cmd.append("--no-admin")
+    elif not os.environ.get(ADMIN_TOKEN_ENV):
+        raise I3Error(f"--enable-admin needs a token: give --admin-token or set ${ADMIN_TOKEN_ENV}")
     print(f"i3core serve: {args.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from i3core.cli.export import export
+
+    path = export(args.run_dir, args.step, args.out, merge=args.merge)
+    print(f"i3core export: step {args.step} of {args.run_dir} -> {path}", file=sys.stderr)
+    return 0
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
@@ -390,6 +449,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     written = plot_run(args.run_dir, args.out)
     print("\n".join(str(path) for path in written))
+    return 0
+
+
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    from i3core.loop.rollouts import read, render
+
+    step, lines = read(args.run_dir, args.step)
+    print(render(step, lines[: args.limit]), end="")
     return 0
 
 

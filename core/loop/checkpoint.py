@@ -2,7 +2,9 @@
 
 ``<output_dir>/checkpoints/step_N/`` holds everything needed to continue after step N:
 
-- ``model.pt``: the full (unsharded) model state, written by trainer rank 0;
+- ``model.pt``: the full (unsharded) model state, written by trainer rank 0; for a model that trains some
+  tensors on a frozen base (a LoRA adapter, ``[model.lora]``), those tensors alone and the base's identity
+  (its path and a hash, :func:`model_file`): a resume onto another base is refused (:func:`check_base`);
 - ``optimizer-rank{r}.pt``: each trainer rank's optimizer state (FSDP2 shards kept as local tensors);
 - ``trainer.pt``: the step, the learning-rate schedule's state, the trainer's torch RNG and world size;
 - ``orchestrator.json``: what the orchestrator had done when it cut batch N (:class:`OrchestratorState`):
@@ -130,6 +132,67 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+
+
+# -- the model's part ---------------------------------------------------------------------------------------
+
+
+def trained_names(model: torch.nn.Module) -> set[str] | None:
+    """The names of ``model``'s trainable parameters when some are frozen (an adapter on a frozen base), else
+    None (every tensor is trained and saved). Read before sharding: the names are the module's own."""
+    params = dict(model.named_parameters())
+    trained = {name for name, param in params.items() if param.requires_grad}
+    return None if len(trained) == len(params) else trained
+
+
+def saved_state(state: dict[str, torch.Tensor], trained: set[str] | None) -> dict[str, torch.Tensor]:
+    """What a checkpoint and a published version hold of the model's ``state``: all of it, or the ``trained``
+    tensors alone."""
+    return dict(state) if trained is None else {name: t for name, t in state.items() if name in trained}
+
+
+def base_identity(component) -> dict | None:
+    """The frozen base a model component trains on (its optional ``base_identity()``: path and hash), or None."""
+    identity = getattr(component, "base_identity", None)
+    return identity() if identity is not None else None
+
+
+def model_file(state: dict[str, torch.Tensor], step: int, base: dict | None) -> dict:
+    """The content of ``model.pt``: the saved ``state`` of ``step`` and the identity of the frozen ``base`` it
+    was trained on (None: the state is the whole model)."""
+    return {"model": state, "step": step, **({"base": base} if base is not None else {})}
+
+
+def check_base(saved: dict, base: dict | None, step: int) -> None:
+    """Refuse to resume ``model.pt`` content ``saved`` onto a base other than the one it was trained on.
+
+    :raises I3Error: one line naming both bases.
+    """
+    before = saved.get("base")
+    if before is None and base is None:
+        return
+    if before is None or base is None:
+        had = "an adapter on a frozen base" if before is not None else "the whole model"
+        raise I3Error(f"checkpoint step_{step} holds {had}; the run's [model] now trains "
+                      f"{'an adapter' if base is not None else 'the whole model'}: resume with the [model] it was "
+                      "written with")
+    if before.get("sha256") != base.get("sha256"):
+        raise I3Error(f"checkpoint step_{step} is an adapter of the base {before.get('path')} (sha256 "
+                      f"{str(before.get('sha256'))[:12]}), not of {base.get('path')} (sha256 "
+                      f"{str(base.get('sha256'))[:12]}): resume it on the base it was trained on")
+
+
+def load_model(root: Path, step: int, model: torch.nn.Module, base: dict | None) -> None:
+    """Load ``model.pt`` of checkpoint ``step`` under ``root`` into the (unsharded) ``model``, refusing another
+    ``base`` (:func:`check_base`); a checkpoint of trained tensors alone fills those.
+
+    :raises I3Error: no complete checkpoint ``step``, or another base.
+    """
+    if step not in complete_steps(root):
+        raise I3Error(f"no complete checkpoint step_{step} under {root}")
+    saved = torch.load(checkpoint_dir(root, step) / MODEL, weights_only=False)
+    check_base(saved, base, step)
+    model.load_state_dict(saved["model"], strict=trained_names(model) is None)
 
 
 # -- optimizer state -----------------------------------------------------------------------------------

@@ -10,9 +10,13 @@ def group_kept(hook: Any, group: Group) -> bool:
     return all(result is not False for result in hook.i3_on_group_scored(group=group))
 
 
-def end_step(hook: Any, sinks: list, step: int, metrics: dict[str, float]) -> dict[str, float]:
-    """Call ``i3_on_step_end`` (plugins may add metrics), then write the metrics to every sink."""
+def end_step(hook: Any, sinks: list, step: int, metrics: dict[str, float],
+             rollouts: list[dict] | None = None) -> dict[str, float]:
+    """Call ``i3_on_step_end`` (plugins may add metrics), then write the metrics to every sink, and the step's
+    rollout lines (:mod:`i3core.loop.rollouts`) to every sink that takes them (``write_rollouts``)."""
     hook.i3_on_step_end(step=step, metrics=metrics)
     for sink in sinks:
+        if rollouts and hasattr(sink, "write_rollouts"):
+            sink.write_rollouts(step, rollouts)
         sink.write(step, metrics)
     return metrics

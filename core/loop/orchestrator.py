@@ -45,12 +45,13 @@ from typing import Any
 import structlog
 
 from i3core.loop.checkpoint import OrchestratorState
-from i3core.errors import I3Error, RolloutMasked, ServerError
+from i3core.errors import EngineFailed, I3Error, RolloutMasked, ServerError
 from i3core.loop.events import end_step, group_kept
 from i3core.files import atomic_torch_save
 from i3core.loop.packing import assign_advantages, pack, sample_from_rollout
 from i3core.sandbox.pool import SandboxPool, check_env_has_sandboxes
 from i3core.loop.paths import RunPaths
+from i3core.loop import rollouts as rollout_log
 from i3core.types import Example, Group, Rollout
 
 log = structlog.get_logger("i3core.orchestrator")
@@ -168,6 +169,12 @@ class Orchestrator:
     def __post_init__(self):
         self.share_prompts = bool(getattr(self.model, "prefix_trees", False) and self.config.trainer.share_prompts)
         self.paths = RunPaths(self.config.run.out)
+        run = self.config.run
+        self.rollout_log = rollout_log.RolloutLog(run.out, run.keep_rollouts, int(run.rollouts_max_mb * 2**20))
+        self._env_name = self.config.get("env").name if self.config.get("env") is not None else ""
+        self._tokenizer = self.model.tokenizer() if self.model is not None else None
+        self._samples: dict[int, list[dict]] = {}
+        """Each step's rollout lines, until its metrics are written (the sinks' sample tables)."""
         self.max_steps = self.config.run.max_steps
         self.served_version = 0
         self.step = 1
@@ -299,6 +306,8 @@ class Orchestrator:
             requeue = task in self._requeue_on_cancel
             self._requeue_on_cancel.discard(task)
             error = None if task.cancelled() else task.exception()
+            if isinstance(error, EngineFailed):  # the in-process engine broke: nothing can generate any more
+                raise error
             if requeue or isinstance(error, ServerError):
                 if error is not None:
                     self._mark_down(job.slot, error)
@@ -310,12 +319,15 @@ class Orchestrator:
             group.outstanding -= 1
             if task.cancelled():  # not by the pool (the env cancelled itself): counted as failed
                 self.ledger.failed += 1
+                self._log_unscored(group.example, rollout_log.FAILED, "cancelled")
                 log.warning("rollout cancelled", example=group.example.id)
             elif isinstance(error, RolloutMasked):
                 self.ledger.mask(error.reason)
+                self._log_unscored(group.example, rollout_log.MASKED.format(reason=error.reason), error.detail)
                 log.info("rollout masked", example=group.example.id, reason=error.reason, detail=error.detail)
             elif isinstance(error, Exception):  # the env failed on this rollout: counted, the run goes on
                 self.ledger.failed += 1
+                self._log_unscored(group.example, rollout_log.FAILED, f"{type(error).__name__}: {error}")
                 log.warning("rollout failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
             elif error is not None:
                 raise error
@@ -333,6 +345,8 @@ class Orchestrator:
                 self._close_group(Group(group.example, group.rollouts), group.position)
             elif isinstance(error, Exception | asyncio.CancelledError):  # counted as failed, the run goes on
                 self.ledger.failed += len(group.rollouts)
+                for rollout in group.rollouts:
+                    self._log(rollout, rollout_log.FAILED, error=f"group scoring: {type(error).__name__}: {error}")
                 log.warning("group scoring failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
             else:
                 raise error
@@ -353,6 +367,8 @@ class Orchestrator:
             return
         if not group_kept(self.plugins.hook, group):
             self.ledger.mask(FILTERED, len(group.rollouts))
+            for rollout in group.rollouts:
+                self._log(rollout, rollout_log.MASKED.format(reason=FILTERED))
             return
         kept = []
         for rollout in group.rollouts:  # after every plugin had its say: nothing untrainable reaches a batch
@@ -361,11 +377,20 @@ class Orchestrator:
                 kept.append(rollout)
             else:
                 self.ledger.mask(reason)
+                self._log(rollout, rollout_log.MASKED.format(reason=reason))
                 log.warning("rollout masked", example=group.example.id, reason=reason)
         group.rollouts[:] = kept
         if kept:
             self._ready.append(group)
             self._positions[id(group)] = position
+
+    def _log(self, rollout: Rollout, outcome: str, error: str | None = None) -> None:
+        """Keep ``rollout``'s line for the next step's ``rollouts/step_N.jsonl`` (:mod:`i3core.loop.rollouts`)."""
+        line = rollout_log.record(rollout, outcome, self._env_name, self._tokenizer)
+        self.rollout_log.add(line if error is None else {**line, "error": error})
+
+    def _log_unscored(self, example: Example, outcome: str, error: str | None) -> None:
+        self.rollout_log.add(rollout_log.unscored(example, outcome, self._env_name, error))
 
     def _in_flight(self) -> int:
         """Started rollouts not yet trained, dropped, masked or failed, counted where they are."""
@@ -407,6 +432,8 @@ class Orchestrator:
         for group in ready:
             if self.scheduler.is_stale(min(r.oldest_version for r in group.rollouts), step):
                 self.ledger.dropped_stale += len(group.rollouts)
+                for rollout in group.rollouts:
+                    self._log(rollout, rollout_log.DROPPED)
                 del self._positions[id(group)]
             else:
                 fresh.append(group)
@@ -421,6 +448,9 @@ class Orchestrator:
         batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len, self.share_prompts)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
         self.ledger.trained += len(rollouts)
+        for rollout in rollouts:
+            self._log(rollout, rollout_log.TRAINED)
+        self._samples[step] = self.rollout_log.write(step)
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
         # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
         state = self._state(step, [self._positions.pop(id(g)) for g in groups], self._batch_metrics[step])
@@ -463,7 +493,7 @@ class Orchestrator:
             env_metrics = getattr(self.env, "metrics", None)
             if env_metrics is not None:
                 metrics.update(env_metrics())
-            end_step(self.plugins.hook, self.sinks, step, metrics)
+            end_step(self.plugins.hook, self.sinks, step, metrics, self._samples.pop(step, []))
             if self.progress is not None:
                 self.progress(step, metrics)
             step += 1

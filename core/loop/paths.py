@@ -16,6 +16,8 @@ class RunPaths:
         self.trainer = out / "trainer"
         self.checkpoints = out / "checkpoints"
         self.orchestrator = out / "orchestrator"
+        self.rollouts = out / "rollouts"
+        """``step_N.jsonl``: every rollout accounted at step N, for a person to read (:mod:`i3core.loop.rollouts`)."""
 
     def batch(self, step: int) -> Path:
         return self.batches / f"step_{step}.pt"

@@ -79,9 +79,10 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
     if callable(probe):
         probe()
     model = config.get("model")
-    cmd = source.command(index, port, sync.location(paths.broadcasts, 0), 0, None,
-                         None if model is None else model.to_dict())
-    env = source.environment(index, 0, None) or dict(os.environ)
+    model = None if model is None else model.to_dict()
+    first = sync.location(paths.broadcasts, 0)
+    cmd = source.command(index, port, first, 0, None, model)
+    env = source.environment(index, 0, None, first, model) or dict(os.environ)
     log.info("starting inference server", index=index, command=" ".join(cmd))
     os.execvpe(cmd[0], cmd, env)
 

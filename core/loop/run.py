@@ -167,7 +167,7 @@ def prepare_resume(config: RunConfig) -> OrchestratorState:
                       "it cannot resume a run")
     state = checkpoint.OrchestratorState.load(directory / checkpoint.ORCHESTRATOR)
     paths = RunPaths(out)
-    for folder in (paths.orchestrator, paths.trainer, paths.batches):
+    for folder in (paths.orchestrator, paths.trainer, paths.batches, paths.rollouts):
         checkpoint.drop_after(folder, step)
     # Version N too: the resumed trainer publishes it again, and nothing may load the old copy meanwhile.
     checkpoint.drop_after(paths.broadcasts, step - 1)

@@ -8,6 +8,11 @@ through the weight-sync plugin (every rank takes part: ``filesystem`` gathers
 and rank 0 writes ``broadcasts/step_N/`` + STABLE; ``broadcast`` streams the HF
 tensors layer by layer from rank 0) -> metrics.
 
+Unlike a textbook trainer, the model trains with every dropout and jitter
+off (``[trainer] disable_dropout``, the default): the engine samples without
+them, and a trainer logprob drawn with a random mask would bias every ratio
+(:func:`disable_dropout`).
+
 Before RL, an optional SFT warm start trains cross-entropy on the
 environment's demonstrations with the same model, packing and publishing;
 its result is published as version 0, the policy the servers start from.
@@ -20,6 +25,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -41,9 +47,29 @@ from i3core.loop.paths import RunPaths
 from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
+STOCHASTIC_ATTRS = re.compile(r"dropout|drop_?prob|pdrop|layerdrop|jitter", re.IGNORECASE)
+"""Float attributes of a module that make training random (transformers' ``attention_dropout``, OPT's ``dropout``
+and ``layerdrop``, Mixtral's ``jitter_noise``, ...): their forwards apply them only in train mode."""
 BATCH_POLL_S = 0.002
 """How often the trainer looks for its next batch: the wait is on the critical path of every step (a few
 microseconds of CPU a look)."""
+
+
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Turn off every dropout and jitter of ``model`` in place, while it stays in train mode (which activation
+    checkpointing and MoE auxiliary terms may read): each ``nn.Dropout*`` gets ``p = 0`` and every positive float
+    attribute named like :data:`STOCHASTIC_ATTRS` becomes 0. The model's config (what is published) is left as it
+    is. Returns what was turned off (``name.attr``)."""
+    off = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p = 0.0
+            off.append(f"{name or 'model'}.p")
+        for attr, value in list(vars(module).items()):
+            if type(value) is float and value > 0 and STOCHASTIC_ATTRS.search(attr):
+                setattr(module, attr, 0.0)
+                off.append(f"{name or 'model'}.{attr}")
+    return off
 
 
 def token_logprobs(model, input_ids, position_ids, chunk: int, temperature: float = 1.0,
@@ -157,6 +183,13 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self.model = self.model_component.build(seed=config.run.seed)
         self.model.train()
+        self.trained = checkpoint.trained_names(self.model)
+        """Names of the tensors training changes, when the model freezes some (an adapter on a frozen base):
+        checkpoints and published versions hold those alone. None: every tensor."""
+        if config.trainer.disable_dropout:
+            off = disable_dropout(self.model)
+            if off:
+                print(json.dumps({"dropout_off": len(off), "first": off[:4]}), flush=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._plain = None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -189,16 +222,17 @@ class Trainer:
         return TrainBatch(**fields, num_samples=batch.num_samples)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded state dict on rank 0, in host memory (None elsewhere); a collective when sharded.
+        """The unsharded state dict on rank 0, in host memory (None elsewhere); a collective when sharded. Where
+        the model freezes some tensors (an adapter on a frozen base), the trained ones alone (:attr:`trained`).
 
         Each tensor is gathered in turn, so a rank holds one unsharded tensor at a time. The model's own
         ``state_dict`` names are kept (torch.distributed.checkpoint's walk of the module tree cannot follow
         state-dict hooks that rename, such as torchtitan's fused QKV projection).
         """
+        state = checkpoint.saved_state(self.model.state_dict(), self.trained)
         if self.world == 1:
-            return self.model.state_dict()
-        state = {}
-        for key, value in self.model.state_dict().items():
+            return state
+        for key, value in state.items():
             full = _full_tensor(value)
             if self.rank == 0:
                 state[key] = full.detach().cpu()
@@ -211,7 +245,7 @@ class Trainer:
             return self.model
         if self._plain is None:
             self._plain = self.model_component.build(seed=0)
-        self._plain.load_state_dict(state)
+        self._plain.load_state_dict(state, strict=self.trained is None)
         return self._plain
 
     # -- publishing ----------------------------------------------------------
@@ -236,7 +270,8 @@ class Trainer:
             raise I3Error(f"sft.steps = {cfg.steps} but env {self.config.get('env').name!r} has no demonstrations; "
                           "set sft.steps = 0")
         rng = random.Random(self.config.run.seed)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                      weight_decay=0.0)
         for step in range(1, cfg.steps + 1):
             samples = []
             for prompt, answer in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
@@ -365,7 +400,7 @@ class Trainer:
         if state["world"] != self.world:
             raise I3Error(f"checkpoint step_{step} was written by {state['world']} trainer processes; resume it "
                           f"with trainer.nproc = {state['world']} (now {self.world})")
-        self.model.load_state_dict(torch.load(directory / checkpoint.MODEL, weights_only=False)["model"])
+        checkpoint.load_model(self.paths.checkpoints, step, self.model, checkpoint.base_identity(self.model_component))
         return state
 
     def _resume_optimizer(self, optimizer, schedule) -> None:
@@ -396,7 +431,8 @@ class Trainer:
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-                write_torch({"model": model_state, "step": step}, staging / checkpoint.MODEL)
+                base = checkpoint.base_identity(self.model_component)
+                write_torch(checkpoint.model_file(model_state, step, base), staging / checkpoint.MODEL)
                 write_torch({"step": step, "world": self.world, "lr_schedule": schedule.state_dict(),
                              "rng": torch.get_rng_state()}, staging / checkpoint.TRAINER)
                 orchestrator = self.paths.orchestrator_state(step)

@@ -62,6 +62,8 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    """Why the last model turn ended (the server's ``finish_reason``)."""
 
     def add_model(self, completion: Completion, turn: int) -> None:
         n = len(completion.token_ids)
@@ -73,6 +75,7 @@ class Trajectory:
         self.versions += completion.versions
         self.mask += [True] * n
         self.turns += [turn] * n
+        self.finish_reason = completion.finish_reason
 
     def add_env(self, ids: list[int], turn: int) -> None:
         n = len(ids)
@@ -189,6 +192,7 @@ class Environment(ABC):
             completion_turns=traj.turns,
             turn_rewards=turn_rewards,
             credit=self.config.credit,
+            finish_reason=traj.finish_reason,
             state=state,
         )
 

@@ -7,8 +7,9 @@ at ``renderer_model`` (it must carry a chat template) and posts token ids to the
 ``/inference/v1/generate`` under ``X-Session-ID`` = the trace's id. The episode's one trainable branch becomes the
 Rollout: token ids, the loss mask from ``sampled_mask``, the server's logprobs, and the per-token policy versions
 read back from the server's record of that session (``GET /inference/v1/sessions/{id}``). A failed episode, a
-framework-truncated one (``max_turns``, token limits), an episode with several trainable branches, or one whose
-tokens disagree with the server's record is masked with that reason.
+framework-truncated one (``max_turns``, token limits), an episode with several trainable branches, one whose
+tokens disagree with the server's record, or one that no reward function scored (``verifiers_unscored``: no
+reward recorded, or ``trace.reward`` None; its reward would not judge it) is masked with that reason.
 
 Imports: the contract and modules of its own kind (envs); verifiers itself (the ``verifiers`` extra).
 """
@@ -104,7 +105,8 @@ class VerifiersEnv:
     async def rollout(self, client: Any, example: Example) -> Rollout:
         vf = self._vf
         base_url = client.base_url
-        async with aiohttp.ClientSession() as session:
+        # the client's headers carry the run's admin token: the session routes ask for it
+        async with aiohttp.ClientSession(headers=getattr(client, "headers", None)) as session:
             model = await self._served_name(session, base_url)
             renderer = self.config.renderer_model or model
             if not (Path(renderer) / "tokenizer_config.json").is_file():
@@ -146,6 +148,10 @@ def to_rollout(example: Example, episode: Any, records: dict[str, list[dict]]) -
     sampled = [t for t, m in zip(ids, mask) if m]
     if [t for t, _ in served] != sampled:
         raise RolloutMasked("verifiers_version_record", "the server's session record differs from the branch")
+    reward = episode_reward(trace)
+    if reward is None:
+        raise RolloutMasked("verifiers_unscored", "no reward function scored the episode (stop condition: "
+                                                  f"{trace.stop_condition or 'none'})")
     versions = iter(v for _, v in served)
     metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
     metrics.update({f"reward/{k}": r.score for k, r in trace.rewards.items() if r is not None})
@@ -154,4 +160,20 @@ def to_rollout(example: Example, episode: Any, records: dict[str, list[dict]]) -
         completion_logprobs=[lp if m else 0.0 for lp, m in zip(logprobs[start:], mask[start:])],
         completion_versions=[next(versions) if m else ENV_TOKEN_VERSION for m in mask[start:]],
         completion_mask=mask[start:], completion_text=trace.messages[-1].content or "" if trace.messages else "",
-        reward=float(trace.reward), metrics=metrics)
+        reward=reward, metrics=metrics, finish_reason=_finish_reason(trace))
+
+
+def episode_reward(trace: Any) -> float | None:
+    """The trace's reward, or None when nothing scored it (``trace.reward`` None, or no reward recorded: verifiers
+    then sums nothing to 0, which would train as a real reward of 0)."""
+    reward = getattr(trace, "reward", None)
+    rewards = getattr(trace, "rewards", None)
+    if reward is None or (rewards is not None and all(r is None for r in rewards.values())):
+        return None
+    return float(reward)
+
+
+def _finish_reason(trace: Any) -> str | None:
+    """Why the trace's last successful model call ended (verifiers' normalised ``stop``/``length``/``tool_calls``)."""
+    last = next((c for c in reversed(getattr(trace, "calls", None) or []) if c.error is None), None)
+    return None if last is None else last.finish_reason

@@ -96,8 +96,9 @@ class ServerProcesses:
         None for the servers' default."""
         raise NotImplementedError
 
-    def environment(self, index: int, version: int, receiver: dict | None) -> dict[str, str] | None:
-        """The environment of server ``index`` (None: this process's)."""
+    def environment(self, index: int, version: int, receiver: dict | None, model_dir: Path | None = None,
+                    model: dict | None = None) -> dict[str, str] | None:
+        """The environment of server ``index`` started on ``model_dir`` as ``model`` (None: this process's)."""
         return None
 
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
@@ -117,7 +118,8 @@ class ServerProcesses:
         for i in range(self.config.servers):
             port = _free_port(self.config.host)
             cmd = self.command(i, port, model_dir, version, receiver, model)
-            self._launches.append((cmd, self.environment(i, version, receiver), log_dir / f"inference-{i}.log"))
+            env = self.environment(i, version, receiver, Path(model_dir), model)
+            self._launches.append((cmd, env, log_dir / f"inference-{i}.log"))
             self.processes.append(self._launch(i))
             self.urls.append(f"http://{self.config.host}:{port}")
         asyncio.run(self._wait_healthy(log_dir))

@@ -4,9 +4,12 @@ Tokens in, tokens out: the client tokenizes a prompt once and sends token ids;
 completions come back as token ids with logprobs and per-token versions.
 """
 
+import os
+
 import aiohttp
 
-from i3core.errors import ServerError
+from i3core.errors import SequenceFailed, ServerError
+from i3core.lifetime import ADMIN_TOKEN_ENV
 from i3core.types import Completion
 
 REQUEST_TIMEOUT_S = 600.0
@@ -15,8 +18,12 @@ REQUEST_TIMEOUT_S = 600.0
 
 class InferenceClient:
     def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None,
-                 timeout_s: float = REQUEST_TIMEOUT_S, completions_path: str = "/v1/completions"):
+                 timeout_s: float = REQUEST_TIMEOUT_S, completions_path: str = "/v1/completions",
+                 admin_token: str | None = None):
         self.base_url = base_url.rstrip("/")
+        token = admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        """Sent with every request: the run's admin token (weights, pause, sessions), default ``$I3CORE_ADMIN_TOKEN``."""
         self.completions_path = completions_path
         """Where the server answers token-id completions with versions (the builtin server's OpenAI route;
         i3core's own route inside vLLM)."""
@@ -30,12 +37,16 @@ class InferenceClient:
 
     async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                                  headers=self.headers)
         try:
             async with self._session.request(method, self.base_url + path, json=body) as response:
                 data = await response.json(content_type=None)
                 if response.status >= 400:
-                    message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+                    error = data.get("error") if isinstance(data, dict) else None
+                    message = error.get("message", data) if isinstance(error, dict) else data
+                    if isinstance(error, dict) and error.get("code") == "sequence_failed":  # the server goes on
+                        raise SequenceFailed(f"{self.base_url}{path}: {response.status} {message}")
                     raise ServerError(f"{self.base_url}{path}: {response.status} {message}")
                 return data
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON

@@ -12,6 +12,11 @@ the same settings (:func:`sample`), a per-row draw only for seeded requests. vLL
 (``min_tokens``, ``repetition_penalty``, ``presence_penalty``/``frequency_penalty``, ``logit_bias``) run before it
 over the rows that set them, as tensor ops over the batch (:func:`process_logits`).
 
+Faults: an error that belongs to one sequence (its row of logits is not finite, the sampler fails on its row)
+finishes that sequence with ``finish_reason = "error"`` and a message in ``Sequence.error``; every other
+sequence goes on. Anything else a step raises (the model's forward failing) breaks the engine: it propagates
+out of :meth:`Engine.step` and whoever drives the engine fails every waiting caller.
+
 Weights can be swapped between two steps (:meth:`Engine.load_state`): running
 sequences keep their KV cache and continue under the new version, and every
 generated token records the policy version that sampled it.
@@ -89,6 +94,9 @@ class Sequence:
     prompt_ranks: list[int | None] = field(default_factory=list)
     """Per prompt token, its rank at its place (1: the most likely; None for the first)."""
     finish_reason: str | None = None
+    """``stop``, ``length``, ``abort``, or ``error`` (then :attr:`error` says why)."""
+    error: str | None = None
+    """Why this sequence failed alone (non-finite logits, a sampler error); the engine went on."""
     generator: torch.Generator | None = None
 
     @property
@@ -183,7 +191,20 @@ class EngineBase(ABC):
             self._free.append(seq.slot)
         seq.finish_reason = seq.finish_reason or "abort"
 
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Finish ``seq`` alone with ``message`` (it was not sampled this step); its slot is freed and cleared."""
+        seq.finish_reason, seq.error = "error", message
+        self.running.pop(seq.id, None)
+        if seq.slot >= 0:
+            self._clear_slot(seq.slot)
+            self._free.append(seq.slot)
+
+    def _clear_slot(self, slot: int) -> None:
+        """Leave nothing of a failed sequence (NaN keys and values) for the slot's next occupant."""
+
     def _maybe_finish(self, seq: Sequence) -> bool:
+        if seq.finish_reason == "error":  # failed while sampling (:meth:`_fail`)
+            return True
         if not seq.token_ids:  # max_tokens 0: the prompt alone (its logprobs), nothing generated
             seq.finish_reason = "length"
         elif seq.token_ids[-1] in seq.request.stop_token_ids:
@@ -204,6 +225,7 @@ class Engine(EngineBase):
         super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version)
         self.model = model.eval()
         self.cache = model.new_kv_cache(max_slots, max_len)
+        self._tensors = dict(model.named_parameters())
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -238,9 +260,14 @@ class Engine(EngineBase):
             for seq in decoding:
                 if self._maybe_finish(seq):
                     finished.append(seq)
-                    del self.running[seq.id]
+                    self.running.pop(seq.id, None)
         self.steps += 1
         return finished
+
+    def _clear_slot(self, slot: int) -> None:
+        clear = getattr(self.cache, "clear_slots", None)  # optional, like copy_slots
+        if callable(clear):
+            clear(torch.tensor([slot]))
 
     def _prefill(self, length: int, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
         """Prefill ``seqs`` (prompts of ``length`` tokens) in one forward; ``(seqs, hidden [B, H])`` of each one's
@@ -306,22 +333,63 @@ class Engine(EngineBase):
     def load_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Swap weights between two steps; running sequences continue under ``version``.
 
-        The staged tensors become the live ones (no copy), so the engine stands still only for the swap.
+        The staged tensors become the live ones (no copy), so the engine stands still only for the swap. A state
+        of some of the module's tensors (an adapter on a frozen base, already checked by ``state_dict_from_hf``)
+        swaps those alone: the pause is that of the adapter's few tensors, not of the whole module's walk.
         """
-        self.model.load_state_dict(state, assign=True)
+        if state.keys() < self._tensors.keys():
+            for name, tensor in state.items():
+                self._tensors[name].data = tensor
+        else:
+            self.model.load_state_dict(state, assign=True)
+            self._tensors = dict(self.model.named_parameters())
         self.version = version
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """One token per sequence from ``hidden`` ``[B, H]``, recorded with its logprob and this version."""
+        """One token per sequence from ``hidden`` ``[B, H]`` (after the logits processors), recorded with its logprob
+        and this version; a sequence whose row cannot be sampled fails alone (:meth:`_fail`)."""
         if not seqs:
             return
         logits = process_logits(self.model.logits(hidden).float(), seqs)
-        for seq, (token, logprob, top) in zip(seqs, sample(logits, seqs)):
+        for seq, drawn in zip(seqs, sample_rows(logits, seqs)):
+            if isinstance(drawn, str):
+                self._fail(seq, drawn)
+                continue
+            token, logprob, top = drawn
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.version)
             if seq.request.top_logprobs:
                 seq.top_logprobs.append(top)
+
+
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float, list] | str]:
+    """:func:`sample` with each row's own failure as a message in its place: a row of ``logits`` ``[B, V]`` holding
+    NaN or +inf (or nothing but -inf), or a row the sampler fails on (found by sampling the rows one at a time once
+    the batch failed), never stops the other rows."""
+    broken = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
+    out: list = [None] * len(seqs)
+    rows = list(range(len(seqs)))
+    if bool(broken.any()):
+        for row in broken.nonzero().flatten().tolist():
+            out[row] = f"the model's logits are not finite (NaN or inf) at completion token {len(seqs[row].token_ids)}"
+        rows = [row for row in rows if out[row] is None]
+    if not rows:
+        return out
+    block = logits if len(rows) == len(seqs) else logits[rows]
+    try:
+        drawn = sample(block, [seqs[row] for row in rows])
+    except Exception:  # one row's fault (non-finite probabilities after temperature...): find it
+        drawn = []
+        for i, row in enumerate(rows):
+            try:
+                drawn.extend(sample(block[i : i + 1], [seqs[row]]))
+            except Exception as exc:  # noqa: BLE001 - the sampler's error is this sequence's
+                drawn.append(f"sampling failed at completion token {len(seqs[row].token_ids)}: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    for row, result in zip(rows, drawn):
+        out[row] = result
+    return out
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float, list[tuple[int, float]]]]:

@@ -14,7 +14,9 @@ count (so no ``broadcast`` weight sync: it needs server processes; each
 version is read from the ``filesystem`` sync's directory, which stays in the
 page cache on one machine), nothing to restart (an engine failure fails the
 run, as the orchestrator's own would), and nothing another machine can reach
-(a cluster keeps ``builtin`` or ``vllm``). ``threads`` sets torch's threads
+(a cluster keeps ``builtin`` or ``vllm``). A sequence that fails alone in the engine (non-finite logits)
+fails its rollout (:class:`~i3core.errors.SequenceFailed`, counted by the ledger); an engine that breaks fails
+every waiting rollout and the run with :class:`~i3core.errors.EngineFailed`. ``threads`` sets torch's threads
 for the whole orchestrator process.
 """
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import I3Error, Problem, ServerError
+from i3core.errors import EngineFailed, I3Error, Problem, SequenceFailed, ServerError
 from i3core.plugins.inference.builtin import max_tokens_problems
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.protocol import BadRequest
@@ -112,6 +114,8 @@ class LocalClient:
         except BadRequest as exc:  # what the HTTP client raises on a 400
             raise ServerError(f"{LOCAL_URL}: {exc}") from None
         seq = await self.server.generate(seq)
+        if seq.finish_reason == "error":
+            raise SequenceFailed(f"{LOCAL_URL}: generation failed: {seq.error}")
         self.server.requests_served += 1
         return Completion(
             text=self.server.tokenizer.decode(seq.token_ids, skip_special_tokens=False),
@@ -123,6 +127,8 @@ class LocalClient:
         )
 
     async def health(self) -> dict:
+        if self.server.failure is not None:
+            raise EngineFailed(f"{LOCAL_URL}: {self.server.failure}")
         return {"status": "ok", "version": self.server.engine.version}
 
     async def update_weights(self, path: str | None, version: int) -> dict:

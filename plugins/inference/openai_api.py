@@ -19,9 +19,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.engine import Request, Sequence
+from i3core.plugins.inference.observability import TRACE
 from i3core.plugins.inference.protocol import (
     REQUEST_MODELS,
+    ShuttingDown,
+    error_response,
     TOOL_CALL_OPEN,
     ChatRequest,
     CompletionRequest,
@@ -139,6 +143,38 @@ class TextStream:
         return end
 
 
+async def together(coroutines) -> list:
+    """Await every coroutine (one a choice); the first failure cancels the others (their sequences are aborted)
+    and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def send_error(response: web.StreamResponse, exc: Exception) -> None:
+    """End a stream whose 200 is already sent with the error as an event (as vLLM does), then ``[DONE]``."""
+    _, body = error_response(exc)
+    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+def served(http: web.Request, prompt_tokens: int, outputs: list[Output]) -> None:
+    """What the request line says of a served request: its tokens and finish reasons."""
+    http[TRACE].update(prompt_tokens=prompt_tokens, completion_tokens=sum(len(o.token_ids) for o in outputs),
+                       finish_reason=",".join(dict.fromkeys(o.finish_reason for o in outputs)))
+
+
+def _check(seq: Sequence) -> None:
+    """:raises SequenceFailed: ``seq`` failed alone in the engine (answered 500; the server goes on)."""
+    if seq.finish_reason == "error":
+        raise SequenceFailed(f"generation failed: {seq.error}")
+
+
 class OpenAIRoutes:
     """The OpenAI and token-in routes of one :class:`~i3core.plugins.inference.server.Server`."""
 
@@ -150,7 +186,7 @@ class OpenAIRoutes:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
-            *Responses(self).web_routes(),
+            *Responses(self, served).web_routes(),
             web.get("/v1/models", self.models),
             web.post("/inference/v1/generate", self.generate),
             web.get("/inference/v1/sessions/{session_id}", self.session),
@@ -191,22 +227,26 @@ class OpenAIRoutes:
         stream = TextStream(self.server.tokenizer, sampling, hold)
         if on_delta is None and not sampling.stop:
             seq = await self.server.generate(seq)
-            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq), seq.finish_reason)
+            _check(seq)
+            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq, len(seq.token_ids)),
+                             seq.finish_reason)
         sent_text, sent_tokens = 0, 0
-        async for seq in self.server.follow(seq):
-            count = len(seq.token_ids)  # the engine thread may append while we read: take a snapshot
+        async for count, finish_reason in self.server.follow(seq):
+            # ``count`` and ``finish_reason`` are what the step left; the engine thread may already be appending
+            if finish_reason == "error":
+                _check(seq)
             stop = stream.find_stop(seq.token_ids[:count])
             if stop is not None:
                 count, text = stop
                 output = Output.of(seq, count, text, "stop")
-            elif seq.finish_reason is not None:
-                output = Output.of(seq, count, self._final_text(stream, seq), seq.finish_reason)
+            elif finish_reason is not None:
+                output = Output.of(seq, count, self._final_text(stream, seq, count), finish_reason)
             else:
                 output = None
             if on_delta is not None:
-                if output is not None:
+                if output is not None:  # all of it, up to the first well-formed tool call
                     text, end = output.text, len(output.text)
-                    if hold is not None and hold in text:
+                    if hold is not None and split_tool_calls(text)[1]:
                         end = text.index(hold)
                 else:
                     text = stream.decode(seq.token_ids[:count])
@@ -219,9 +259,10 @@ class OpenAIRoutes:
         raise AssertionError("a followed sequence ended without finishing")  # follow() yields it finished last
 
     @staticmethod
-    def _final_text(stream: TextStream, seq: Sequence) -> str:
-        """The text of a finished sequence: its stop token (when it ended on one) left out."""
-        ids = seq.token_ids
+    def _final_text(stream: TextStream, seq: Sequence, count: int) -> str:
+        """The text of the first ``count`` tokens of a finished sequence: its stop token (when it ended on one)
+        left out."""
+        ids = seq.token_ids[:count]
         if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_token_ids:
             ids = ids[:-1]
         return stream.decode(ids)
@@ -238,7 +279,8 @@ class OpenAIRoutes:
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
             return await self._stream(http, seqs, sampling, prompts, request_id, "text_completion", created)
-        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        outputs = await together(self._run(seq, sampling) for seq in seqs)
+        served(http, sum(map(len, prompts)), outputs)
         server.requests_served += 1
         choices = []
         for i, (seq, out) in enumerate(zip(seqs, outputs)):
@@ -312,7 +354,8 @@ class OpenAIRoutes:
         if sampling.stream:
             return await self._stream(http, seqs, sampling, [prompt_ids], request_id, "chat.completion.chunk",
                                       created, hold)
-        outputs = await asyncio.gather(*(self._run(seq, sampling, hold) for seq in seqs))
+        outputs = await together(self._run(seq, sampling, hold) for seq in seqs)
+        served(http, len(prompt_ids), outputs)
         server.requests_served += 1
         choices = []
         for i, out in enumerate(outputs):
@@ -424,7 +467,12 @@ class OpenAIRoutes:
             await send([last])
             return out
 
-        outputs = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        try:
+            outputs = await together(one(i, seq) for i, seq in enumerate(seqs))
+        except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
+            await send_error(response, exc)
+            return response
+        served(http, sum(map(len, prompts)), outputs)
         self.server.requests_served += 1
         if sampling.include_usage:
             await send([], usage=usage(sum(map(len, prompts)), sum(len(o.token_ids) for o in outputs)))
@@ -457,7 +505,8 @@ class OpenAIRoutes:
         sampling.clip_max_tokens = True  # a growing multi-turn prompt (verifiers' training client) ends at the
         # context, as before: never a 400
         seqs = self._sequences([prompt_ids], sampling)
-        outputs = await asyncio.gather(*(self._run(seq, sampling) for seq in seqs))
+        outputs = await together(self._run(seq, sampling) for seq in seqs)
+        served(http, len(prompt_ids), outputs)
         server.requests_served += 1
         request_id = request.request_id or uuid.uuid4().hex
         choices = []

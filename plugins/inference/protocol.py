@@ -14,16 +14,20 @@ engine.
 
 import asyncio
 import difflib
+import hmac
 import json
 import re
 import time
 import typing
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+
+from i3core.errors import EngineFailed, I3Error, SequenceFailed
 
 MAX_N = 64
 """Most completions one request may ask for (``n``)."""
@@ -72,6 +76,26 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
     a 5xx)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
+
+class ShuttingDown(I3Error):
+    """The server is shutting down (SIGTERM/SIGINT): answered 503."""
+
+
+def error_response(exc: Exception) -> tuple[int, dict]:
+    """The status and OpenAI-shaped body of an error a handler raised: a client's (400...), one sequence's
+    (500, ``code: "sequence_failed"``), the engine's or a shutdown (503), anything else (500)."""
+    if isinstance(exc, BadRequest):
+        return exc.status, error_body(str(exc), exc.param, exc.code)
+    if isinstance(exc, SequenceFailed):
+        return 500, error_body(str(exc), kind="server_error", code="sequence_failed")
+    if isinstance(exc, EngineFailed | ShuttingDown):
+        return 503, error_body(str(exc), kind="server_error")
+    return 500, error_body(f"internal error: {type(exc).__name__}: {first_line(exc)}", kind="server_error")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 class ContextLengthExceeded(BadRequest):
     """A prompt and its completion that do not fit the context: OpenAI's ``context_length_exceeded``, worded as
@@ -146,6 +170,40 @@ def check_fields(body: dict, known: tuple[str, ...], unsupported: dict | None = 
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise BadRequest(f"unknown field {key!r}{hint}; this endpoint reads {', '.join(known)}", param=key)
+
+
+# -- who may call what ----------------------------------------------------------------------------------------------
+
+ADMIN_ROUTES = ("/update_weights", "/pause", "/resume", "/inference/v1/sessions/")
+"""Routes (prefixes) that change or read the server's state for the run: they need the admin token."""
+
+
+def is_admin_route(path: str) -> bool:
+    return path in ADMIN_ROUTES[:3] or path.startswith(ADMIN_ROUTES[3])
+
+
+def bearer_matches(authorization: str | None, *tokens: str | None) -> bool:
+    """Whether an ``Authorization: Bearer <token>`` header holds one of ``tokens`` (compared in constant time)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return False
+    return any(token and hmac.compare_digest(given.strip().encode(), token.encode()) for token in tokens)
+
+
+def unauthorized(what: str) -> BadRequest:
+    return BadRequest(f"{what}: send Authorization: Bearer <token>", code="invalid_api_key", status=401)
+
+
+def weights_path(path: str, roots: list[Path]) -> Path:
+    """``path`` if it lies under one of ``roots`` (the run's weight directories), resolved.
+
+    :raises BadRequest: 403 for any other path (``/update_weights`` must not read anything else on this disk).
+    """
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        raise BadRequest(f"path {path!r} is outside the weight directories this server reads from "
+                         f"({', '.join(str(r) for r in roots)})", param="path", code="forbidden", status=403)
+    return resolved
 
 
 # -- typed request models ------------------------------------------------------------------------------------------
@@ -760,8 +818,8 @@ def openapi(routes: dict[str, type[BaseModel]], title: str, version: str = "0.1.
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """Generated text as (content, OpenAI ``tool_calls``): the well-formed ``<tool_call>{"name", "arguments"}
-    </tool_call>`` blocks become calls and the content is the text before the first of them (None when empty);
-    text without a well-formed block is all content."""
+    </tool_call>`` blocks become calls and the content is the text before the first block (None when empty);
+    text without a well-formed block is all content (a malformed block stays text)."""
     calls = []
     for raw in TOOL_CALL.findall(text):
         try:
@@ -777,7 +835,7 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
                       "function": {"name": body["name"], "arguments": arguments}})
     if not calls:
         return text, []
-    content = text[: text.index(TOOL_CALL_OPEN)].strip()
+    content = text[: text.index(TOOL_CALL_OPEN)]  # as vLLM's hermes parser: what a stream sends, to the byte
     return content or None, calls
 
 

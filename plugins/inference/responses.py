@@ -72,8 +72,10 @@ SHARED = tuple(name for name in StreamingFields.model_fields if name not in ("n"
 class Responses:
     """``/v1/responses`` of one :class:`~.openai_api.OpenAIRoutes` (its server, sequences and text streams)."""
 
-    def __init__(self, routes):
+    def __init__(self, routes, served):
         self.routes = routes
+        self.served = served
+        """``served(http, prompt_tokens, outputs)``: what the request line says of a served request."""
         self.server = routes.server
         self.stored: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
         """Response id -> (the conversation it ended, as chat messages without instructions; the response)."""
@@ -124,6 +126,7 @@ class Responses:
         if sampling.stream:
             return await self._stream(http, seq, sampling, hold, response, conversation, len(prompt_ids))
         out = await self.routes._run(seq, sampling, hold)
+        self.served(http, len(prompt_ids), [out])
         server.requests_served += 1
         content, calls = split_tool_calls(out.text) if hold else (out.text, [])
         response["output"] = [*([_message(content)] if content else []), *(_call(c) for c in calls)]
@@ -188,6 +191,7 @@ class Responses:
             await send("response.output_text.delta", delta=piece, logprobs=[], **where)
 
         out = await self.routes._run(seq, sampling, hold, on_delta)
+        self.served(http, prompt_tokens, [out])
         output = []
         if text:
             done = _message(text)

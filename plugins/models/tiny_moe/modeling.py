@@ -241,6 +241,12 @@ class KVCache:
         for cache in (*self.keys, *self.values):
             cache[target, :, :length] = cache[source, :, :length]
 
+    def clear_slots(self, slots: torch.Tensor) -> None:
+        """Zero every entry of ``slots`` ``[B]``: a sequence that failed may have left NaN there, and attention
+        reads a slot's entries past its own position (masked, but 0 * NaN is NaN) for its next occupant."""
+        for cache in (*self.keys, *self.values):
+            cache[slots] = 0
+
 
 class TinyMoEModel(nn.Module):
     """Embedding, blocks, final norm and LM head; ``forward`` returns hidden states ``[B, S, H]``.
