@@ -276,4 +276,7 @@ def test_lm_eval_scores_the_same_through_vllm_and_i3core(tmp_path):
         assert [float(r[0][0]) for r in a["resps"]] == pytest.approx([float(r[0][0]) for r in b["resps"]], abs=1e-3)
     (gen_ours,), (gen_vllm,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_gen")]
                                 for run in (ours, theirs))
-    assert [s["filtered_resps"] for s in gen_ours] == [s["filtered_resps"] for s in gen_vllm]  # greedy: same text
+    def texts(samples):  # a completion cut inside a character: i3core ends it with U+FFFD, vLLM leaves it out
+        return [[text.rstrip("\ufffd") for text in s["filtered_resps"]] for s in samples]
+
+    assert texts(gen_ours) == texts(gen_vllm)  # greedy: the same text
