@@ -411,8 +411,8 @@ class SamplingFields(RequestModel):
         None, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, vocab_size)", "vLLM's extension.",
         max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = bounded(True, "true or false", "vLLM's extension.")
-    ignore_eos: bool = bounded(False, "true or false", "vLLM's: the end-of-sequence token does not stop (other stop "
-                                                       "tokens still do).")
+    ignore_eos: bool = bounded(False, "true or false", "vLLM's: the end-of-sequence token does not stop by default "
+                                                       "(stop_token_ids given still do).")
     min_tokens: int = bounded(0, "an integer >= 0 and at most max_tokens",
                               "vLLM's: no stop token is drawn before this many tokens.", ge=0, le=MAX_TOKENS)
     repetition_penalty: float = bounded(1.0, "a finite number > 0", "vLLM's: a positive logit of a token in the "
@@ -460,7 +460,7 @@ class SamplingFields(RequestModel):
                  include_usage: bool = False, eos_token_id: int | None = None) -> Sampling:
         """The settings as the engine takes them, checked against the server's ``vocab_size``; ``max_tokens`` is
         checked against each prompt and ``max_len`` by :meth:`Sampling.fit`. ``ignore_eos`` drops
-        ``eos_token_id`` from the stop tokens.
+        ``eos_token_id`` from the default stop tokens (``stop_token_ids`` given stay as given, as on vLLM).
 
         :raises BadRequest: a stop or ``logit_bias`` token id outside the vocabulary.
         """
@@ -470,7 +470,7 @@ class SamplingFields(RequestModel):
         stop_ids = default_stop if self.stop_token_ids is None else self.stop_token_ids
         if any(not 0 <= t < vocab_size for t in stop_ids):
             raise BadRequest(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
-        if self.ignore_eos:
+        if self.ignore_eos and self.stop_token_ids is None:  # as vLLM: stop_token_ids asked for still stop
             stop_ids = [t for t in stop_ids if t != eos_token_id]
         bias = {int(token): value for token, value in (self.logit_bias or {}).items()} or None
         if bias and any(not 0 <= t < vocab_size for t in bias):
