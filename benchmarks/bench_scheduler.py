@@ -83,7 +83,7 @@ def simulated_run(scheduler: dict, servers: int, args, work: Path) -> dict:
     from i3core.manager import load_plugins
     from i3core.loop.orchestrator import ClientSlot, Orchestrator
     from i3core.config import with_defaults
-    from i3core.loop.run import build
+    from i3core.loop.run import build, stop_strings, stop_token_ids
     from i3core.loop.paths import RunPaths
 
     out = work / f"{scheduler['use']}-{servers}"
@@ -108,11 +108,11 @@ def simulated_run(scheduler: dict, servers: int, args, work: Path) -> dict:
         model.save_hf(model.build(), template)
     sync.write(paths.broadcasts, 0, lambda d: shutil.copytree(template, d))
     tokenizer, env = model.tokenizer(), run.components["env"]
-    stop_ids = tokenizer.encode(env.stop_text).ids + [model.eos_token_id]
+    stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
     try:
         urls = source.start(sync.location(paths.broadcasts, 0), out / "logs")
         sink = WindowSink(urls, (args.warm, args.steps))
-        clients = [ClientSlot(source.client(url, tokenizer, stop_ids), url) for url in urls]
+        clients = [ClientSlot(source.client(url, tokenizer, stop_ids, stop), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients,
                                     [run.components["metrics"], sink])  # fmt: skip
 

@@ -36,12 +36,15 @@ class InferenceClient(Protocol):
     :meth:`Model.tokenizer`) carries the model's chat template: chat envs render with it and stop there."""
 
     async def complete(self, prompt: str, *, max_tokens: int, temperature: float) -> Completion:
-        """Generate one completion of a text prompt; every token carries its logprob and policy version."""
+        """Generate one completion of a text prompt with the client's default stops (as :meth:`complete_ids`);
+        every token carries its logprob and policy version."""
 
     async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-                           stop_token_ids: list[int] | None = None) -> Completion:
-        """Generate one completion of a token-id prompt, stopping at ``stop_token_ids`` (None: the
-        client's default); the stop token, when hit, is the last of ``token_ids``."""
+                           stop_token_ids: list[int] | None = None, stop: list[str] | None = None) -> Completion:
+        """Generate one completion of a token-id prompt, stopping at ``stop_token_ids`` or at the ``stop``
+        strings, matched on the text (None: the client's defaults, the model's end ids and the env's stop text).
+        The token that ended it is the last of ``token_ids``; ``text`` is
+        :func:`i3core.text.completion_text` of them (that token left out, cut before a stop string)."""
 
 
 @runtime_checkable
@@ -230,7 +233,8 @@ class Model(Protocol):
 
     Trainer: :meth:`build`, :meth:`parallelize`, :meth:`train_flops`, :meth:`tokenizer` (SFT). Weight sync:
     :meth:`hf_tensors`, :meth:`save_hf`. Builtin server: :meth:`load_hf`, :meth:`tokenizer`,
-    :meth:`render_chat`, :attr:`eos_token_id`, :attr:`end_of_turn_ids`, and the module's cached decode
+    :meth:`render_chat`, :attr:`eos_token_id` (and :attr:`eos_token_ids`), :attr:`end_of_turn_ids`, and the
+    module's cached decode
     (:class:`CausalLM`). A model served only by vLLM may leave the builtin server's part out; the builtin
     server then refuses it with one line.
 
@@ -238,6 +242,14 @@ class Model(Protocol):
     :func:`i3core.packed.attention_mask` does (prefix trees as well as packed samples); the orchestrator then
     packs the completions of one prompt as a tree (``[trainer] share_prompts``). Without it, samples are packed
     side by side.
+
+    Optional, for a model that trains an adapter on a frozen base (``hf``'s ``[model.lora]``): its module's frozen
+    parameters have ``requires_grad`` off, so the trainer's optimizer, checkpoints and versions hold the trainable
+    tensors alone; ``base_identity()`` (``{"path", "sha256"}``) is saved with each checkpoint and a resume onto
+    another base is refused; :meth:`save_hf` and :meth:`hf_tensors` give the adapter (PEFT's directory and
+    names) and ``state_dict_from_hf`` turns those back into a state of the adapter's tensors alone, which the
+    builtin engine swaps in without touching the base; ``save_merged(adapter_dir, path)`` writes the base with
+    the adapter merged (``i3core export --merge``).
     """
 
     def build(self, seed: int = 0) -> CausalLM:
@@ -279,6 +291,12 @@ class Model(Protocol):
     @property
     def eos_token_id(self) -> int:
         """The end-of-sequence token: where a plain completion stops by default."""
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every end-of-sequence token (generation_config's ``eos_token_id``, all of them, and the tokenizer's):
+        where every completion stops by default, as vLLM stops it (:func:`i3core.text.end_ids`). Optional: a model
+        without it stops at :attr:`eos_token_id` alone."""
 
     @property
     def end_of_turn_ids(self) -> list[int]:

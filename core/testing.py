@@ -17,6 +17,7 @@ from i3core.config import build_component
 from i3core.errors import I3Error
 from i3core.manager import ENTRY_POINT_GROUP, Plugins, load_plugins
 from i3core.registry import KINDS, Provider
+from i3core.text import Detokenizer, completion_text
 from i3core.types import Completion
 
 
@@ -108,6 +109,7 @@ class ScriptedRequest:
     max_tokens: int
     temperature: float
     stop_token_ids: list[int] | None
+    stop: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -117,8 +119,10 @@ class ScriptedClient:
     Each request takes the next reply: a string, or a function of the
     request's prompt ids returning one. The reply is tokenized with
     ``tokenizer``; generation stops after the first stop token (the
-    request's ``stop_token_ids``, else ``stop_token_ids`` here) or at
-    ``max_tokens``, exactly as a server would, so a reply can be cut. Every
+    request's ``stop_token_ids``, else ``stop_token_ids`` here), after the
+    token that completes a stop string (the request's ``stop``, else ``stop``
+    here) or at ``max_tokens``, exactly as a server would, so a reply can be
+    cut; its text is :func:`i3core.text.completion_text`'s. Every
     token gets logprob ``logprob`` and policy version ``version``. Every
     request is recorded in ``requests``, so a test can check what the env sent.
     Running out of replies is an error.
@@ -131,6 +135,7 @@ class ScriptedClient:
     version: int = 0
     logprob: float = -0.25
     stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
     requests: list[ScriptedRequest] = field(default_factory=list)
 
     def _encode(self, text: str) -> list[int]:
@@ -142,23 +147,26 @@ class ScriptedClient:
         return await self.complete_ids(self._encode(prompt), max_tokens=max_tokens, temperature=temperature)
 
     async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-                           stop_token_ids: list[int] | None = None) -> Completion:
-        stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
-        self.requests.append(ScriptedRequest(list(prompt_ids), max_tokens, temperature, stop))
+                           stop_token_ids: list[int] | None = None, stop: list[str] | None = None) -> Completion:
+        stop_ids = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
+        strings = list(stop if stop is not None else self.stop)
+        self.requests.append(ScriptedRequest(list(prompt_ids), max_tokens, temperature, stop_ids, strings))
         index = len(self.requests) - 1
         if index >= len(self.replies):
             raise AssertionError(f"ScriptedClient: request {index + 1} but only {len(self.replies)} replies")
         reply = self.replies[index]
         text = reply(list(prompt_ids)) if callable(reply) else reply
-        ids, finish = self._encode(text), "length"
+        ids, finish = self._encode(text)[:max_tokens], "length"
+        detokenizer = Detokenizer(self.tokenizer, stop=strings)
         for i, token in enumerate(ids):
-            if stop and token in stop:
-                ids, finish = ids[: i + 1], "stop"
-                break
-        if len(ids) > max_tokens:
-            ids, finish = ids[:max_tokens], "length"
-        return Completion(self.tokenizer.decode(ids, skip_special_tokens=False), list(prompt_ids), ids,
-                          [self.logprob] * len(ids), [self.version] * len(ids), finish)
+            if not (stop_ids and token in stop_ids):
+                detokenizer.add(token)
+                if detokenizer.stop_at is None:
+                    continue
+            ids, finish = ids[: i + 1], "stop"
+            break
+        text = completion_text(self.tokenizer, ids, stop_token_ids=stop_ids or (), stop=strings)
+        return Completion(text, list(prompt_ids), ids, [self.logprob] * len(ids), [self.version] * len(ids), finish)
 
 
 __all__ = ["HookCall", "HookRecorder", "ScriptedClient", "ScriptedRequest", "make_component", "plugin_manager"]

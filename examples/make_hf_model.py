@@ -6,9 +6,10 @@
 
 The directory is what ``[model] use = "hf"``, ``path = DIR`` trains (see examples/hf_model.toml): transformers
 builds the model from its config.json, ``tokenizers`` trains a byte-level BPE on the text of the tiny envs
-(their words, arithmetic, a calculator's tool calls; not reverse-text's random strings, see :func:`corpus`) with
-ChatML specials, and the tokenizer carries a
-ChatML chat template whose turns end with ``<|im_end|>`` (also the eos token). Nothing is downloaded.
+(their words, arithmetic, a calculator's tool calls, as multi-line documents; not reverse-text's random strings,
+see :func:`corpus`) with ChatML specials and Qwen2's pre-tokenizer (so, as in Qwen's and Llama-3's vocabularies,
+``"\n"`` merges with its neighbours: ``":\n"``, ``".\n\n"``, ``"?\n"`` are single tokens), and the tokenizer
+carries a ChatML chat template whose turns end with ``<|im_end|>`` (also the eos token). Nothing is downloaded.
 
 Tests import :func:`make_hf_model` to build each architecture.
 """
@@ -46,29 +47,37 @@ CHAT_TEMPLATE = (
 """ChatML with Qwen's tool format (what Qwen3's own template writes for these messages, minus reasoning)."""
 
 
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Qwen2's (and Qwen3's) pre-tokenizer split: punctuation keeps the newlines after it, newlines stay together."""
+
+
 def corpus(seed: int = 0, lines: int = 4000) -> list[str]:
-    """Text like the tiny envs' prompts and answers, for the BPE's merges: their words, numbers and tool calls,
-    but not reverse-text's random letter strings. Merges learned from those (``"cb"``, ``" a"``, ``"de"``) cut a
-    string and its reverse into different tokens, and the recipe of examples/hf_model.toml then hardly learns:
-    measured on 2026-12-05 (docs/benchmarks.md, bench_quickstart), +0.04 reward over 200 steps with such merges
-    and +0.31 without them, everything else equal."""
+    """Text like the tiny envs' prompts and answers, as multi-line documents, for the BPE's merges: their words,
+    numbers and tool calls, but not reverse-text's random letter strings. Merges learned from those (``"cb"``,
+    ``" a"``, ``"de"``) cut a string and its reverse into different tokens, and the recipe of
+    examples/hf_model.toml then hardly learns: measured on 2026-12-05 (docs/benchmarks.md, bench_quickstart),
+    +0.04 reward over 200 steps with such merges and +0.31 without them, everything else equal."""
     rng = random.Random(seed)
     out = []
     for _ in range(lines):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        out += ["reverse", f"{a} + {b} = {a + b}", f"What is {a} * {b}?",
-                '<tool_call>{"name": "calc", "arguments": {"expression": "' + f"{a}*{b}" + '"}}</tool_call>']
+        out += ["reverse", f"{a} + {b} = {a + b}.\n\n", f"What is {a} * {b}?\n", f"Answer:\n{a * b}\n",
+                '<tool_call>{"name": "calc", "arguments": {"expression": "' + f"{a}*{b}" + '"}}</tool_call>\n']
     out.append(string.printable)
     return out
 
 
 def build_tokenizer(vocab_size: int = 384, seed: int = 0):
     """A byte-level BPE (every byte is a token, so any text encodes) with ChatML specials and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

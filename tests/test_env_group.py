@@ -155,8 +155,7 @@ def test_batch_metrics_are_split_per_task_and_exclude_env_token_versions():
 
 
 def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(tmp_path, builtins):
-    from types import SimpleNamespace
-
+    from i3core.config import RunConfig, RunSection
     from i3core.loop.orchestrator import OpenGroup, Orchestrator
 
     def rank(completions):
@@ -167,7 +166,7 @@ def test_orchestrator_scores_groups_through_the_env_and_counts_a_failed_scoring(
 
     env = make_component("env", "group", plugins=builtins, members=[{"use": "arithmetic"}])
     env.members["arithmetic"].rubric.add_group_reward_func(rank)
-    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0))
+    config = RunConfig(run=RunSection(output_dir=tmp_path, max_steps=1))
     orchestrator = Orchestrator(config, builtins, env, None, None, [], [])
     example = env.examples()[0]
     tok = build_tokenizer()

@@ -391,6 +391,29 @@ def test_training_forward_has_no_dropout_once_disabled(tmp_path):
     assert json.loads((tmp_path / "drop" / "config.json").read_text())["attention_dropout"] == 0.5
 
 
+def test_dropout_modules_and_layer_drop_are_off_too():
+    """GPT-2's nn.Dropout modules (embeddings, attention, residual) and OPT's float dropout and layerdrop."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    from i3core.loop.trainer import disable_dropout
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5))
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                   num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=32,
+                                   dropout=0.5, attention_dropout=0.5, layerdrop=0.5))
+    ids = torch.tensor([[5, 9, 13, 7, 21, 4]])
+    for model in (gpt2, opt):
+        model.train()
+        torch.manual_seed(0)
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        assert disable_dropout(model)
+        trained = model(ids).logits.detach()
+        model.eval()
+        with torch.no_grad():
+            assert torch.equal(trained, model(ids).logits)
+
+
 @pytest.mark.slow
 def test_i3core_run_on_a_model_with_dropout_matches_the_servers_logprobs(tmp_path):
     """[trainer] disable_dropout (the default): trainer and servers agree on version 0 as on a model without

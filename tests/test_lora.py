@@ -3,13 +3,16 @@ config). Only the adapter is trained, checkpointed and published (PEFT's directo
 the builtin engine applies each version live; ``i3core export`` writes the adapter or the merged model."""
 
 import json
+import socket
 import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from i3core.config import validate
+from i3core.errors import ServerError
 from i3core.loop import checkpoint
 from i3core.plugins.inference.engine import Engine, Request
 from i3core.testing import plugin_manager
@@ -227,3 +230,93 @@ def test_i3core_run_trains_an_adapter_with_matching_logprobs(made, architecture,
     for version in (tmp_path / "run" / "broadcasts").glob("step_*"):
         if version.is_dir():
             assert sorted(p.name for p in version.iterdir()) == ADAPTER_FILES
+
+
+# -- tiny-moe -------------------------------------------------------------------------------------------------------
+
+
+def test_tiny_moe_trains_an_attention_adapter_peft_loads_on_the_hf_qwen3_moe(tmp_path):
+    """tiny-moe's [model.lora] on its base ``init_from``: the adapter (attention projections) is published under
+    the HF Qwen3-MoE's names, PEFT puts it on transformers' Qwen3-MoE with the same logits, and the builtin engine
+    loads it on the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from i3core.testing import make_component
+
+    plain = make_component("model", "tiny-moe", expert_backend="loop")
+    base = plain.save_hf(plain.build(seed=0), tmp_path / "base")
+    with pytest.raises(Exception, match="set init_from"):
+        make_component("model", "tiny-moe", lora=LORA)
+    tiny = make_component("model", "tiny-moe", expert_backend="loop", init_from=str(base), lora=LORA)
+    model = perturbed(tiny.build(seed=0))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".attn." in n and ".lora_" in n for n in trained)
+    out = tiny.save_hf(model, tmp_path / "v1")
+    names = list(load_file(str(out / "adapter_model.safetensors")))
+    assert names and all(n.startswith("base_model.model.model.layers.") and ".self_attn." in n for n in names)
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.logits(model(ids))
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out)).eval()
+        assert (peft(ids).logits - ours).abs().max() < 1e-4
+        served = tiny.load_hf(out)
+        assert (served.logits(served(ids)) - ours).abs().max() == 0
+    engine = Engine(tiny.load_hf(tiny.save_hf(tiny.build(seed=0), tmp_path / "v0")), max_slots=2, max_len=64)
+    state = engine.stage(out)
+    assert state.keys() == {n for n in trained}
+    engine.load_state(state, 1)
+    seq = engine.add(Request([5, 17, 42], max_tokens=4, temperature=0.0))
+    while seq.finish_reason is None:
+        engine.step()
+    assert seq.versions == [1] * 4
+    with torch.no_grad():
+        greedy = served.logits(served(torch.tensor([[5, 17, 42]])))[0, -1].argmax().item()
+    assert seq.token_ids[0] == greedy  # the swapped-in adapter decodes as the model that was published
+
+
+def test_i3core_serve_serves_an_adapter_on_its_base(made, tmp_path):
+    """``i3core serve DIR --model hf --lora ADAPTER_DIR``: the adapter on the base, with its logprobs; a directory
+    that is no adapter is one line."""
+    import asyncio
+
+    from i3core.plugins.inference.client import InferenceClient
+
+    from .conftest import abs_logprob_diffs
+
+    directory = made("qwen3")
+    hf = component(directory, lora=LORA)
+    model = perturbed(hf.build(seed=0)).eval()
+    adapter_dir = hf.save_hf(model, tmp_path / "adapter")
+    bad = run_cli("serve", str(directory), "--model", "hf", "--lora", str(directory))
+    assert bad.returncode != 0 and "is not an adapter directory" in bad.stderr and "Traceback" not in bad.stderr
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", str(port),
+                                 "--model", "hf", "--lora", str(adapter_dir)], stdout=log, stderr=subprocess.STDOUT)
+
+    async def scenario():
+        client = InferenceClient(url, hf.tokenizer())
+        try:
+            for _ in range(1500):  # up to 5 minutes to load on a loaded machine
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+                try:
+                    await client.health()
+                    break
+                except ServerError:
+                    await asyncio.sleep(0.2)
+            return await client.complete_ids([5, 17, 42, 9], max_tokens=8, temperature=1.0, stop_token_ids=[])
+        finally:
+            await client.close()
+
+    try:
+        done = asyncio.run(scenario())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert len(done.token_ids) == 8
+    assert float(abs_logprob_diffs(model, done).max()) < 1e-4
+    assert float(abs_logprob_diffs(component(directory).build().eval(), done).max()) > 1e-3

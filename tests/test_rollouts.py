@@ -22,7 +22,7 @@ def scored(replies):
     example = env.examples()[0]
     tokenizer = build_tokenizer()
     replies = [r(example) if callable(r) else r for r in replies]
-    client = ScriptedClient(tokenizer, replies, stop_token_ids=[tokenizer.encode("\n").ids[0]])
+    client = ScriptedClient(tokenizer, replies, stop=[env.stop_text])  # where a run stops it: the stop text
     return env, example, tokenizer, [asyncio.run(env.rollout(client, example)) for _ in replies]
 
 
@@ -30,7 +30,7 @@ def test_a_line_holds_what_the_env_scored_and_the_tokens_trained():
     env, example, tokenizer, (right, cut) = scored([lambda e: e.answer + "\nextra", "zzzzzzzzzzzz"])
     right.advantage = 0.5
     line = rollouts.record(right, rollouts.TRAINED, "reverse-text", tokenizer)
-    assert line["prompt"] == example.prompt and line["completion"] == example.answer + "\n"
+    assert line["prompt"] == example.prompt and line["completion"] == example.answer  # the text ends before it
     assert line["reward"] == 1.0 == env.score(line["completion"], example) and line["advantage"] == 0.5
     assert line["finish_reason"] == "stop" and line["outcome"] == "trained" and line["env"] == "reverse-text"
     assert tokenizer.decode(line["completion_ids"]) == example.answer + "\n"
@@ -112,4 +112,4 @@ def test_wandb_sink_logs_a_sample_table_per_step(tmp_path):
     (table_file,) = {t["path"] for _, t, _ in tables[:1]}
     data = json.loads(next((tmp_path / "wandb").glob(f"offline-run-*/files/{table_file}")).read_text())
     assert data["columns"][:4] == ["step", "env", "outcome", "prompt"]
-    assert data["data"][0][:5] == [1, "reverse-text", "trained", rollout.example.prompt, "cba\n"]
+    assert data["data"][0][:5] == [1, "reverse-text", "trained", rollout.example.prompt, "cba"]  # the text scored

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -231,12 +230,13 @@ def test_local_a_nan_sequence_fails_its_rollout_alone(model_dir):
 
 
 def test_local_an_engine_that_breaks_fails_every_waiting_rollout_and_the_run(model_dir, tmp_path, builtins):
+    from i3core.config import validate
     from i3core.loop.orchestrator import ClientSlot, Job, OpenGroup, Orchestrator
 
     client = local_client(model_dir, raise_at=4)
     env = make_component("env", "reverse-text", plugins=builtins)
-    config = SimpleNamespace(run=SimpleNamespace(out=tmp_path, max_steps=1, seed=0),
-                             trainer=SimpleNamespace(share_prompts=False))
+    config = validate({"run": {"output_dir": str(tmp_path), "max_steps": 1}, "env": {"use": "reverse-text"}},
+                      builtins)
     slot = ClientSlot(client, LOCAL_URL)
     orchestrator = Orchestrator(config, builtins, env, None, None, [slot], [])
 

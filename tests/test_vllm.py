@@ -248,6 +248,68 @@ def test_vllm_serves_each_adapter_version_of_a_lora_run_in_flight(tmp_path):
     assert mean_abs_diff(v0, second) > 1e-2  # version 1's adapter is what sampled it
 
 
+# -- one token sequence, one text (issue 27) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_vllm_scores_its_token_sequences_as_local_and_builtin_do(which, tmp_path):
+    """vLLM samples completions of reverse-text prompts with the run's stops (its own ``stop`` strings); the same
+    token sequences, written by a scripted model behind ``local`` and ``builtin``, give the same text, reward,
+    loss mask, tokens and finish reason. tiny-moe's byte tokenizer and an hf BPE whose newlines merge."""
+    require_vllm()
+    from i3core.loop.run import stop_strings, stop_token_ids
+
+    from .test_hf_model import make_hf_model
+    from .test_stop_text import assert_scored_alike, through_local_and_builtin
+
+    hf_dir = make_hf_model(tmp_path / "made", "qwen3")
+    model = make_component("model", "tiny-moe") if which == "bytes" else make_component("model", "hf",
+                                                                                           path=str(hf_dir))
+    published = model.save_hf(model.build(), tmp_path / "published")
+    env = make_component("env", "reverse-text", num_examples=48, max_tokens=32)
+    tok = model.tokenizer()
+    source = make_component("rollout_source", "vllm", servers=1, max_slots=32, max_len=256, python=PYTHON)
+    (url,) = source.start(published, tmp_path / "logs")
+
+    async def sample():
+        client = source.client(url, tok, stop_token_ids(model, env), stop_strings(env))
+        try:
+            return await asyncio.gather(*(
+                asyncio.gather(env.rollout(client, example),
+                               client.complete_ids(tok.encode(example.prompt).ids, max_tokens=32, temperature=1.0,
+                                                   seed=i))
+                for i, example in enumerate(env.examples())))
+        finally:
+            await client.close()
+
+    try:
+        sampled = run(sample())
+    finally:
+        source.close()
+    # replay each vLLM rollout's tokens (and each completion's) through the scripted local and builtin engines
+    jobs = [(example, rollout.completion_ids) for example, (rollout, _) in zip(env.examples(), sampled)]
+    replayed = through_local_and_builtin(which, hf_dir, tmp_path, env, jobs, 32)
+    jobs = [(example, completion.token_ids) for example, (_, completion) in zip(env.examples(), sampled)]
+    completions = through_local_and_builtin(which, hf_dir, tmp_path, env, jobs, 32)
+    for (rollout, completion), by_rollout, by_completion in zip(sampled, replayed, completions):
+        assert_scored_alike([rollout, by_rollout["local"][0], by_rollout["builtin"][0]],
+                            [by_rollout["local"][1], by_rollout["builtin"][1]])
+        assert_scored_alike([by_completion["local"][0], by_completion["builtin"][0]],
+                            [completion, by_completion["local"][1], by_completion["builtin"][1]])
+        assert "\n" not in rollout.completion_text
+    finishes = [completion.finish_reason for _, completion in sampled]
+    assert set(finishes) <= {"stop", "length"} and "stop" in finishes
+
+
+def test_a_vllm_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_stop_text(tmp_path):
+    require_vllm()
+    from .test_hf_model import make_hf_model
+    from .test_stop_text import run_stops_on_merged_tokens
+
+    run_stops_on_merged_tokens(make_hf_model(tmp_path / "made", "qwen3"), tmp_path, "inference.use='vllm'",
+                               "inference.servers=1", "inference.max_slots=64", f"inference.python='{PYTHON}'")
+
+
 @pytest.mark.clients
 def test_lm_eval_scores_the_same_through_vllm_and_i3core(tmp_path):
     """lm-eval's local-completions (default tokenized requests: batched token-id prompts, echo with logprobs) on

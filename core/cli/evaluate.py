@@ -133,14 +133,14 @@ def build_env(target: str, options: list[str], model_name: str):
 
 def run_eval(args) -> tuple[EvalResult, str]:
     """What ``i3core env eval`` does with its parsed arguments: (the result, the env's name)."""
-    from i3core.loop.run import stop_token_ids
+    from i3core.loop.run import stop_strings, stop_token_ids
     from i3core.testing import make_component
 
     env, model, plugins, name = build_env(args.env, args.options, args.model)
     if getattr(env, "requires_sandbox", False) and args.sandbox is None:
         raise I3Error(f"env {name!r} runs code: pass --sandbox (e.g. --sandbox local)")
     tokenizer = model.tokenizer()
-    stop_ids = stop_token_ids(model, env)
+    stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
     sandbox = None if args.sandbox is None else make_component("sandbox", args.sandbox, plugins=plugins)
     with contextlib.ExitStack() as stack:
         if args.server is None:
@@ -148,7 +148,7 @@ def run_eval(args) -> tuple[EvalResult, str]:
             source, url = stack.enter_context(server)
         else:
             source, url = make_component("rollout_source", "builtin", plugins=plugins), args.server
-        client = source.client(url, tokenizer, stop_ids)
+        client = source.client(url, tokenizer, stop_ids, stop)
         result = asyncio.run(_evaluate_with(env, client, sandbox, args))
     return result, name
 

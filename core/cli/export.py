@@ -34,6 +34,9 @@ def export(run_dir: Path, step: int, out: Path, merge: bool = False) -> Path:
     checkpoint.load_model(RunPaths(run_dir).checkpoints, step, model, checkpoint.base_identity(component))
     trains_adapter = checkpoint.trained_names(model) is not None
     if merge and trains_adapter:
+        if not callable(getattr(component, "save_merged", None)):
+            raise I3Error(f"model {config.get('model').name!r} cannot merge its adapter (no save_merged): export "
+                          "the adapter without --merge")
         with tempfile.TemporaryDirectory(prefix="i3core-export-") as adapter:
             component.save_hf(model, Path(adapter))
             return component.save_merged(Path(adapter), out)

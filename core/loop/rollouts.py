@@ -1,7 +1,8 @@
 """What a run keeps of its rollouts for a person to read: ``rollouts/step_N.jsonl`` in the run directory.
 
 The orchestrator writes one file per step when it cuts that step's batch: one JSON object per rollout accounted
-since the previous step's batch, in the order they were accounted, with at least
+since the previous step's batch (the batch's own first, then the others in the order they were accounted), with
+at least
 
 - ``prompt``: the prompt as text (the prompt ids decoded, special tokens kept; the example's prompt where the
   rollout never got ids), ``completion``: the text the env scored (a chat env's messages after the prompt);
@@ -12,7 +13,8 @@ since the previous step's batch, in the order they were accounted, with at least
   ``failed`` (with ``error``).
 
 ``[run] keep_rollouts = false`` writes none; ``[run] rollouts_max_mb`` caps the folder (the oldest step files
-are deleted first, with one warning). ``i3core rollouts RUN_DIR [--step N]`` prints a step's file.
+are deleted first, with one warning). ``i3core rollouts RUN_DIR [--step N]`` prints a step's file. Rollouts
+accounted after the last batch of a run are in no file.
 
 Imports the contract and :mod:`i3core.loop.paths` only.
 """
@@ -33,8 +35,6 @@ log = structlog.get_logger("i3core.rollouts")
 TRAINED, DROPPED, FAILED = "trained", "dropped", "failed"
 MASKED = "masked: {reason}"
 """The ledger outcome of a masked rollout, with its reason."""
-SAMPLE_ROWS = 8
-"""Rollouts of a step that a sink's sample table shows (the first ones of the file: trained ones first)."""
 
 
 def _finite(value: float | None) -> float | None:

@@ -18,6 +18,8 @@ for a tokenizer that carries its model's own chat template as ``render_chat`` an
 
 from typing import Any, Protocol
 
+from i3core.text import completion_text
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 DUMMY_TURN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -98,8 +100,7 @@ class ChatML:
         return encode(self.tokenizer, "\n" + self._render(messages) + f"{IM_START}assistant\n")
 
     def reply_text(self, token_ids: list[int]) -> str:
-        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
-        return decode(self.tokenizer, ids)
+        return completion_text(self.tokenizer, token_ids, stop_token_ids=self.stop_ids)
 
 
 class HFChatTemplate:
@@ -135,8 +136,7 @@ class HFChatTemplate:
         return encode(self.tokenizer, after[cut:])
 
     def reply_text(self, token_ids: list[int]) -> str:
-        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
-        return decode(self.tokenizer, ids)
+        return completion_text(self.tokenizer, token_ids, stop_token_ids=self.stop_ids)
 
 
 class ModelTemplate:
@@ -169,8 +169,7 @@ class ModelTemplate:
         return encode(self.tokenizer, after[end + len(self.end_text):])
 
     def reply_text(self, token_ids: list[int]) -> str:
-        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
-        return decode(self.tokenizer, ids)
+        return completion_text(self.tokenizer, token_ids, stop_token_ids=self.stop_ids)
 
 
 def renderer_for(tokenizer: Any) -> ChatRenderer:

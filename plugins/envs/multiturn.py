@@ -126,7 +126,8 @@ class MultiTurnEnv(Environment):
             if room <= 0:
                 return "length"
             completion = await client.complete_ids(traj.all_ids, max_tokens=min(cfg.max_tokens, room),
-                                                   temperature=cfg.temperature, stop_token_ids=renderer.stop_ids)
+                                                   temperature=cfg.temperature, stop_token_ids=renderer.stop_ids,
+                                                   stop=[])
             traj.add_model(completion, state["turn"])
             state["turn_rewards"].append(0.0)
             message = {"role": "assistant", "content": renderer.reply_text(completion.token_ids)}

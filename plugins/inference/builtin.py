@@ -181,9 +181,11 @@ class ServerProcesses:
             finally:
                 await client.close()
 
-    def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> InferenceClient:
-        """The orchestrator's client for the server at ``url``."""
-        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, timeout_s=self.config.request_timeout_s)
+    def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()) -> InferenceClient:
+        """The orchestrator's client for the server at ``url``, stopping by default at ``stop_token_ids`` and the
+        ``stop`` strings."""
+        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, stop=stop,
+                               timeout_s=self.config.request_timeout_s)
 
     def close(self) -> None:
         """Stop supervising, then stop every server (SIGTERM, SIGKILL after 10 s) and release the weights."""

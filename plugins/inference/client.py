@@ -17,7 +17,7 @@ REQUEST_TIMEOUT_S = 600.0
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None,
+    def __init__(self, base_url: str, tokenizer, *, stop_token_ids: list[int] | None = None, stop: list[str] = (),
                  timeout_s: float = REQUEST_TIMEOUT_S, completions_path: str = "/v1/completions",
                  admin_token: str | None = None):
         self.base_url = base_url.rstrip("/")
@@ -30,6 +30,8 @@ class InferenceClient:
         self.timeout_s = timeout_s
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
+        self.stop = list(stop)
+        """Stop strings sent with every request that names none (the env's stop text)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def _post(self, path: str, body: dict) -> dict:
@@ -57,15 +59,20 @@ class InferenceClient:
                                        temperature=temperature, seed=seed)
 
     async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-                           stop_token_ids: list[int] | None = None, seed: int | None = None) -> Completion:
-        """One completion of ``prompt_ids``, sent as ids (a multi-turn env's trajectory so far, untouched)."""
+                           stop_token_ids: list[int] | None = None, stop: list[str] | None = None,
+                           seed: int | None = None) -> Completion:
+        """One completion of ``prompt_ids``, sent as ids (a multi-turn env's trajectory so far, untouched); its
+        text is the server's (:func:`i3core.text.completion_text`: special tokens kept, the stop token not)."""
         prompt_ids = list(prompt_ids)
         body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                "skip_special_tokens": False,  # the text as the token ids say it, stop token included
+                "skip_special_tokens": False,
                 "clip_max_tokens": True}  # a prompt near the context ends there ("length"), never a 400
-        stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
-        if stop is not None:
-            body["stop_token_ids"] = stop
+        stop_ids = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
+        if stop_ids is not None:
+            body["stop_token_ids"] = stop_ids
+        stop = stop if stop is not None else self.stop
+        if stop:
+            body["stop"] = list(stop)
         if seed is None:
             del body["seed"]
         choice = (await self._post(self.completions_path, body))["choices"][0]

@@ -12,6 +12,12 @@ the same settings (:func:`sample`), a per-row draw only for seeded requests. vLL
 (``min_tokens``, ``repetition_penalty``, ``presence_penalty``/``frequency_penalty``, ``logit_bias``) run before it
 over the rows that set them, as tensor ops over the batch (:func:`process_logits`).
 
+Stop strings are matched on the text, on the engine thread: a sequence with ``stop`` strings (or ``stream``)
+carries an incremental :class:`~i3core.text.Detokenizer`, and the step that completes a stop string, across
+whichever tokens hold it, finishes the sequence (``"stop"``) with the tokens up to that one. A finished
+sequence's :attr:`Sequence.text` is :func:`~i3core.text.completion_text` of its tokens, the one text every
+backend gives an env.
+
 Faults: an error that belongs to one sequence (its row of logits is not finite, the sampler fails on its row)
 finishes that sequence with ``finish_reason = "error"`` and a message in ``Sequence.error``; every other
 sequence goes on. Anything else a step raises (the model's forward failing) breaks the engine: it propagates
@@ -35,6 +41,7 @@ from pathlib import Path
 import torch
 
 from i3core.protocols import CausalLM
+from i3core.text import Detokenizer, completion_text
 from i3core.weights import read_hf_tensors
 
 
@@ -53,6 +60,15 @@ class Request:
     """Sample among the ``top_k`` most likely tokens; 0: all."""
     top_logprobs: int = 0
     """Alternatives recorded per generated token (``Sequence.top_logprobs``)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the completion, matched on its text; the tokens are kept up to the one that completed
+    the first of them, and :attr:`Sequence.text` ends before it."""
+    skip_special_tokens: bool = False
+    """Leave special tokens out of the text (the stop token that ended it is left out either way)."""
+    stream: bool = False
+    """Build :attr:`Sequence.decoded` token by token for a stream (always done with ``stop`` strings)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: :attr:`Sequence.text` keeps the stop string that ended it."""
     prompt_logprobs: int | None = None
     """The prompt tokens' logprobs (``Sequence.prompt_logprobs``) with this many alternatives each, computed by the
     prefill; None: not computed."""
@@ -98,6 +114,13 @@ class Sequence:
     error: str | None = None
     """Why this sequence failed alone (non-finite logits, a sampler error); the engine went on."""
     generator: torch.Generator | None = None
+    detokenizer: Detokenizer | None = None
+    decoded: tuple[int, str] = (0, "")
+    """``(tokens, their text)`` so far, whole characters only, replaced at once after each step that adds text
+    (one attribute: a reader on another thread sees a consistent pair)."""
+    text: str | None = None
+    """The completion's text once it finished (:func:`~i3core.text.completion_text`); None on an engine without
+    a tokenizer."""
 
     @property
     def length(self) -> int:
@@ -117,8 +140,10 @@ class EngineBase(ABC):
     computes_logits = True
     """Whether the engine runs a model's logits (prompt logprobs and logits processors need them)."""
 
-    def __init__(self, *, max_slots: int, max_len: int, vocab_size: int, version: int):
+    def __init__(self, *, max_slots: int, max_len: int, vocab_size: int, version: int, tokenizer=None):
         self.max_slots, self.max_len, self.vocab_size = max_slots, max_len, vocab_size
+        self.tokenizer = tokenizer
+        """Decodes completions (``decode(ids, skip_special_tokens=...)``); None: no text, no stop strings."""
         self.version = version
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}
@@ -135,7 +160,8 @@ class EngineBase(ABC):
     def new_sequence(self, request: Request) -> Sequence:
         """Validate ``request`` and wrap it, without queueing it.
 
-        :raises ValueError: an empty or too long prompt, a negative temperature, a setting this engine lacks.
+        :raises ValueError: an empty or too long prompt, a negative temperature, stop strings without a tokenizer, a
+            setting this engine lacks.
         """
         if not self.computes_logits and (request.prompt_logprobs is not None or request.processes_logits):
             raise ValueError(f"{type(self).__name__} computes no logits: prompt logprobs, min_tokens, penalties and "
@@ -150,7 +176,12 @@ class EngineBase(ABC):
             raise ValueError("temperature must be >= 0")
         if not 0 < request.top_p <= 1 or request.top_k < 0 or request.top_logprobs < 0:
             raise ValueError("top_p must be in (0, 1], top_k and top_logprobs >= 0")
+        if (request.stop or request.stream) and self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: it cannot match stop strings or stream text")
         seq = Sequence(next(self._ids), request)
+        if request.stop or request.stream:
+            seq.detokenizer = Detokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens,
+                                          stop=request.stop)
         if request.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.seed)
         return seq
@@ -203,16 +234,36 @@ class EngineBase(ABC):
         """Leave nothing of a failed sequence (NaN keys and values) for the slot's next occupant."""
 
     def _maybe_finish(self, seq: Sequence) -> bool:
+        """After a token was added: whether ``seq`` ends here (a stop token, a stop string, its length, a failure);
+        a finished sequence gets its :attr:`~Sequence.text` and frees its slot."""
         if seq.finish_reason == "error":  # failed while sampling (:meth:`_fail`)
             return True
         if not seq.token_ids:  # max_tokens 0: the prompt alone (its logprobs), nothing generated
-            seq.finish_reason = "length"
-        elif seq.token_ids[-1] in seq.request.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.token_ids) >= seq.request.max_tokens or seq.length >= self.max_len:
-            seq.finish_reason = "length"
+            seq.text, seq.finish_reason = "", "length"
+            if seq.slot >= 0:
+                self._free.append(seq.slot)
+            return True
+        token, request, detokenizer = seq.token_ids[-1], seq.request, seq.detokenizer
+        if token in request.stop_token_ids:
+            reason = "stop"
         else:
-            return False
+            if detokenizer is not None and detokenizer.add(token):
+                seq.decoded = (len(seq.token_ids), detokenizer.text)
+            if detokenizer is not None and detokenizer.stop_at is not None:
+                reason = "stop"
+            elif len(seq.token_ids) >= request.max_tokens or seq.length >= self.max_len:
+                reason = "length"
+            else:
+                return False
+        if self.tokenizer is not None:  # before the finish reason: a reader that sees one finds the text
+            seq.text = completion_text(self.tokenizer, seq.token_ids, stop_token_ids=request.stop_token_ids,
+                                       stop=request.stop, skip_special_tokens=request.skip_special_tokens)
+            if request.include_stop_str_in_output and reason == "stop" and request.stop:
+                whole = completion_text(self.tokenizer, seq.token_ids, stop_token_ids=request.stop_token_ids,
+                                        skip_special_tokens=request.skip_special_tokens)
+                rest = whole[len(seq.text):]
+                seq.text += next((stop for stop in request.stop if rest.startswith(stop)), "")
+        seq.finish_reason = reason
         if seq.slot >= 0:
             self._free.append(seq.slot)
         return True
@@ -221,10 +272,16 @@ class EngineBase(ABC):
 class Engine(EngineBase):
     """The engine over a model's cached decode: :meth:`add` requests, call :meth:`step` until they finish."""
 
-    def __init__(self, model: CausalLM, *, max_slots: int = 32, max_len: int = 512, version: int = 0):
-        super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version)
+    def __init__(self, model: CausalLM, *, max_slots: int = 32, max_len: int = 512, version: int = 0,
+                 tokenizer=None, extrapolate: bool = False):
+        super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version,
+                         tokenizer=tokenizer)
         self.model = model.eval()
         self.cache = model.new_kv_cache(max_slots, max_len)
+        self.extrapolate = extrapolate
+        """Sample with each version's weights moved one more update along the last one (:meth:`load_state`)."""
+        self._last: tuple[int, dict[str, torch.Tensor]] | None = None
+        """The version swapped in last and its weights as published (what the next extrapolation starts from)."""
         self._tensors = dict(model.named_parameters())
 
     @torch.no_grad()
@@ -336,7 +393,21 @@ class Engine(EngineBase):
         The staged tensors become the live ones (no copy), so the engine stands still only for the swap. A state
         of some of the module's tensors (an adapter on a frozen base, already checked by ``state_dict_from_hf``)
         swaps those alone: the pause is that of the adapter's few tensors, not of the whole module's walk.
+
+        With ``extrapolate``, version N directly after N - 1 is served as ``W_N + (W_N - W_{N-1})``: an
+        asynchronous trainer trains version N + 1 on what N's weights sampled, and one more step along the last
+        update (AdamW's steps, with momentum, change little from one to the next) is closer to N + 1 than N is.
+        The tokens still carry version N and the logprobs of the weights that sampled them, so the loss's
+        importance ratio measures the remaining gap. It costs one pass over the swapped tensors while the engine
+        stands, and the last version's tensors kept beside the live ones.
         """
+        published = state
+        if self.extrapolate:
+            last, previous = self._last or (self.version, self.model.state_dict())  # the first: as it was loaded
+            if last == version - 1:
+                state = {name: torch.lerp(previous[name], tensor, 2.0)  # previous + 2 (tensor - previous)
+                         if tensor.is_floating_point() and name in previous else tensor
+                         for name, tensor in state.items()}
         if state.keys() < self._tensors.keys():
             for name, tensor in state.items():
                 self._tensors[name].data = tensor
@@ -344,6 +415,8 @@ class Engine(EngineBase):
             self.model.load_state_dict(state, assign=True)
             self._tensors = dict(self.model.named_parameters())
         self.version = version
+        if self.extrapolate:
+            self._last = (version, published)
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """One token per sequence from ``hidden`` ``[B, H]`` (after the logits processors), recorded with its logprob
@@ -367,7 +440,7 @@ def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, f
     """:func:`sample` with each row's own failure as a message in its place: a row of ``logits`` ``[B, V]`` holding
     NaN or +inf (or nothing but -inf), or a row the sampler fails on (found by sampling the rows one at a time once
     the batch failed), never stops the other rows."""
-    broken = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
+    broken = ~logits.amax(-1).isfinite()  # a row's max is NaN if any entry is, +inf if any is, -inf if all are
     out: list = [None] * len(seqs)
     rows = list(range(len(seqs)))
     if bool(broken.any()):

@@ -45,6 +45,9 @@ class LocalSource:
         max_slots: int = Field(128, ge=1, description="Sequences the engine decodes together.")
         max_len: int = Field(256, ge=8, description="Longest prompt + completion, in tokens.")
         threads: int = Field(1, ge=1, description="torch CPU threads of the orchestrator process (the engine's).")
+        extrapolate: bool = Field(
+            False, description="Sample with each version's weights one more update along the last (W_N + W_N - "
+                               "W_{N-1}): closer to the version an asynchronous trainer trains on them.")
 
     def __init__(self, config: Config):
         self.config = config
@@ -67,14 +70,16 @@ class LocalSource:
         spec = model or {"use": "tiny-moe"}
         component = model_component(spec["use"], {k: v for k, v in spec.items() if k != "use"})
         self.server = builtin_server(Path(model_dir), component, max_slots=self.config.max_slots,
-                                     max_len=self.config.max_len, version=version, served_name="local")
+                                     max_len=self.config.max_len, version=version, served_name="local",
+                                     extrapolate=self.config.extrapolate)
         return [LOCAL_URL]
 
-    def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> "LocalClient":
-        """The orchestrator's client of the engine (``url`` is :data:`LOCAL_URL`)."""
+    def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()) -> "LocalClient":
+        """The orchestrator's client of the engine (``url`` is :data:`LOCAL_URL`), stopping by default at
+        ``stop_token_ids`` and the ``stop`` strings."""
         if self.server is None:
             raise I3Error('inference "local" has no engine before start()')
-        return LocalClient(self.server, tokenizer, stop_token_ids)
+        return LocalClient(self.server, tokenizer, stop_token_ids, stop)
 
     def close(self) -> None:
         self.server = None
@@ -87,10 +92,11 @@ class LocalClient:
     The engine task starts on the first call, in the running loop, and stops at :meth:`close`.
     """
 
-    def __init__(self, server, tokenizer, stop_token_ids: list[int] | None = None):
+    def __init__(self, server, tokenizer, stop_token_ids: list[int] | None = None, stop: list[str] = ()):
         self.server = server
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
+        self.stop = list(stop)
         self._engine_task: asyncio.Task | None = None
 
     def _engine(self) -> None:
@@ -104,11 +110,13 @@ class LocalClient:
                                        temperature=temperature, seed=seed)
 
     async def complete_ids(self, prompt_ids: list[int], *, max_tokens: int, temperature: float,
-                           stop_token_ids: list[int] | None = None, seed: int | None = None) -> Completion:
-        """One completion of ``prompt_ids``, as the HTTP client returns it (the stop token kept in the text)."""
+                           stop_token_ids: list[int] | None = None, stop: list[str] | None = None,
+                           seed: int | None = None) -> Completion:
+        """One completion of ``prompt_ids``, as the HTTP client returns it (the text the engine made of it)."""
         self._engine()
-        stop = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
-        request = Request(list(prompt_ids), max_tokens, temperature, tuple(stop or ()), seed)
+        stop_ids = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
+        stop = stop if stop is not None else self.stop
+        request = Request(list(prompt_ids), max_tokens, temperature, tuple(stop_ids or ()), seed, stop=tuple(stop))
         try:
             seq = self.server.new_sequence(request)
         except BadRequest as exc:  # what the HTTP client raises on a 400
@@ -118,7 +126,7 @@ class LocalClient:
             raise SequenceFailed(f"{LOCAL_URL}: generation failed: {seq.error}")
         self.server.requests_served += 1
         return Completion(
-            text=self.server.tokenizer.decode(seq.token_ids, skip_special_tokens=False),
+            text=seq.text,
             prompt_ids=list(prompt_ids),
             token_ids=list(seq.token_ids),
             logprobs=list(seq.logprobs),

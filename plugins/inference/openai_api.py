@@ -6,8 +6,9 @@ post), with ``GET``/``DELETE /inference/v1/sessions/{id}`` for the per-token pol
 request's ``X-Session-ID``. Request fields are checked by :mod:`~i3core.plugins.inference.protocol`; the engine
 knows nothing of HTTP, JSON or chat. What is supported, refused and added is in docs/serving.md.
 
-A sequence is only followed step by step (:meth:`Server.follow`) when the request streams or has stop strings;
-otherwise the handler waits for it once, so the training client's path costs what it did.
+Stop strings are the engine's: it matches them on the text as it decodes (and cuts the text and the tokens); a
+handler only formats what the engine found. A sequence is only followed step by step (:meth:`Server.follow`) when
+the request streams; otherwise the handler waits for it once.
 """
 
 import asyncio
@@ -22,6 +23,7 @@ from aiohttp import web
 from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.engine import Request, Sequence
 from i3core.plugins.inference.observability import TRACE
+from i3core.text import end_ids, stop_index
 from i3core.plugins.inference.protocol import (
     REQUEST_MODELS,
     ShuttingDown,
@@ -102,37 +104,19 @@ def _joined(first: dict, then: dict) -> dict:
 
 
 class TextStream:
-    """Detokenises a growing sequence: the text so far, where a stop string ends it, and what may be sent.
+    """What of a growing sequence's text (the engine's, whole characters only) may be streamed.
 
     ``hold`` is a marker after which nothing is streamed as content (``<tool_call>`` when tools are offered);
-    a suffix that could still become a stop string or the marker, or an unfinished UTF-8 character, is held
-    back until the next tokens decide it.
+    a suffix that could still become a stop string or the marker is held back until the next tokens decide it.
     """
 
-    def __init__(self, tokenizer, sampling: Sampling, hold: str | None = None):
-        self.tokenizer, self.sampling, self.hold = tokenizer, sampling, hold
-        self.checked = 0
-        """Tokens already searched for a stop string."""
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.sampling.skip_special_tokens)
-
-    def find_stop(self, ids: list[int]) -> tuple[int, str] | None:
-        """``(tokens kept, text before the stop string)`` for the first prefix of ``ids`` whose text holds a
-        stop string, or None."""
-        stops = self.sampling.stop
-        for count in range(self.checked + 1, len(ids) + 1) if stops else ():
-            text = self.decode(ids[:count])
-            found = [(text.find(s), s) for s in stops if s in text]
-            if found:
-                at, stop = min(found)
-                return count, text[: at + len(stop) if self.sampling.include_stop_str_in_output else at]
-        self.checked = len(ids)
-        return None
+    def __init__(self, sampling: Sampling, hold: str | None = None):
+        self.sampling, self.hold = sampling, hold
 
     def sendable(self, text: str) -> int:
-        """How much of ``text`` may be streamed now."""
-        end = len(text.rstrip("\ufffd"))
+        """How much of ``text`` may be streamed now: never a stop string (the engine may have found one a step
+        later than the follower looks), nor what could still begin one."""
+        end = stop_index(text, self.sampling.stop)
         if self.hold is not None and self.hold in text:
             end = min(end, text.index(self.hold))
         for marker in (*self.sampling.stop, *([self.hold] if self.hold else [])):
@@ -213,7 +197,10 @@ class OpenAIRoutes:
             self.server.new_sequence(Request(
                 list(prompt_ids), sampling.fit(len(prompt_ids), self.server.engine.max_len), sampling.temperature,
                 sampling.stop_token_ids, sampling.seed_of(j), top_p=sampling.top_p, top_k=sampling.top_k,
-                top_logprobs=sampling.logprobs or 0, prompt_logprobs=prompt_logprobs, min_tokens=sampling.min_tokens,
+                top_logprobs=sampling.logprobs or 0, stop=sampling.stop,
+                skip_special_tokens=sampling.skip_special_tokens, stream=sampling.stream,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
+                prompt_logprobs=prompt_logprobs, min_tokens=sampling.min_tokens,
                 repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
                 frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
             ))
@@ -221,60 +208,44 @@ class OpenAIRoutes:
         ]  # fmt: skip
 
     async def _run(self, seq: Sequence, sampling: Sampling, hold: str | None = None, on_delta=None) -> Output:
-        """Generate ``seq`` to its end: a stop token, ``max_tokens``, ``max_len`` or a stop string (then the
-        tokens are cut after the one that completed it). ``on_delta(text, first, last)`` gets each piece of
-        text that may be streamed with the tokens ``[first, last)`` produced since the previous call."""
-        stream = TextStream(self.server.tokenizer, sampling, hold)
-        if on_delta is None and not sampling.stop:
+        """Generate ``seq`` to its end: a stop token, ``max_tokens``, ``max_len`` or a stop string (the engine
+        cuts the tokens after the one that completed it, and the text before it). ``on_delta(text, first, last)``
+        gets each piece of text that may be streamed with the tokens ``[first, last)`` produced since the
+        previous call."""
+        if on_delta is None:
             seq = await self.server.generate(seq)
             _check(seq)
-            return Output.of(seq, len(seq.token_ids), self._final_text(stream, seq, len(seq.token_ids)),
-                             seq.finish_reason)
+            return Output.of(seq, len(seq.token_ids), seq.text, seq.finish_reason)
+        stream = TextStream(sampling, hold)
         sent_text, sent_tokens = 0, 0
         async for count, finish_reason in self.server.follow(seq):
             # ``count`` and ``finish_reason`` are what the step left; the engine thread may already be appending
             if finish_reason == "error":
                 _check(seq)
-            stop = stream.find_stop(seq.token_ids[:count])
-            if stop is not None:
-                count, text = stop
-                output = Output.of(seq, count, text, "stop")
-            elif finish_reason is not None:
-                output = Output.of(seq, count, self._final_text(stream, seq, count), finish_reason)
+            if finish_reason is not None:  # all of it, up to the first well-formed tool call (the engine set
+                output = Output.of(seq, count, seq.text, finish_reason)  # the text before the finish reason)
+                text, end = output.text, len(output.text)
+                if hold is not None and split_tool_calls(text)[1]:
+                    end = text.index(hold)
             else:
                 output = None
-            if on_delta is not None:
-                if output is not None:  # all of it, up to the first well-formed tool call
-                    text, end = output.text, len(output.text)
-                    if hold is not None and split_tool_calls(text)[1]:
-                        end = text.index(hold)
-                else:
-                    text = stream.decode(seq.token_ids[:count])
-                    end = stream.sendable(text)
-                if end > sent_text or count > sent_tokens:
-                    await on_delta(text[sent_text:end] if end > sent_text else "", sent_tokens, count)
-                    sent_text, sent_tokens = max(sent_text, end), count
+                count, text = seq.decoded  # the engine's text so far and the tokens it covers: one pair
+                end = stream.sendable(text)
+            if end > sent_text or count > sent_tokens:
+                await on_delta(text[sent_text:end] if end > sent_text else "", sent_tokens, count)
+                sent_text, sent_tokens = max(sent_text, end), count
             if output is not None:
                 return output
         raise AssertionError("a followed sequence ended without finishing")  # follow() yields it finished last
-
-    @staticmethod
-    def _final_text(stream: TextStream, seq: Sequence, count: int) -> str:
-        """The text of the first ``count`` tokens of a finished sequence: its stop token (when it ended on one)
-        left out."""
-        ids = seq.token_ids[:count]
-        if seq.finish_reason == "stop" and ids and ids[-1] in seq.request.stop_token_ids:
-            ids = ids[:-1]
-        return stream.decode(ids)
 
     # -- /v1/completions --------------------------------------------------------------------------------------
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         server = self.server
         request = parse(CompletionRequest, parse_json_object(await http.read()))
-        engine, eos = server.engine, server.model.eos_token_id
+        engine, eos = server.engine, end_ids(server.model)
         prompts = request.prompts(engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
-        sampling = request.stream_sampling(engine.max_len, engine.vocab_size, [eos], eos)
+        sampling = request.stream_sampling(engine.max_len, engine.vocab_size, eos, eos)
         seqs = self._sequences(prompts, sampling)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
@@ -345,9 +316,9 @@ class OpenAIRoutes:
         # the template writes its own special tokens (a BOS): the tokenizer adds none
         prompt_ids = server.tokenizer.encode(server.model.render_chat(request.template_messages(), tools),
                                              add_special_tokens=False).ids
-        end_of_turn = list(dict.fromkeys([*server.model.end_of_turn_ids, server.model.eos_token_id]))
-        sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size, end_of_turn,
-                                           server.model.eos_token_id)
+        # by default: the end of the assistant's turn, or of the text
+        sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size,
+                                           end_ids(server.model, chat=True), end_ids(server.model))
         seqs = self._sequences([prompt_ids], sampling)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         hold = TOOL_CALL_OPEN if tools else None
@@ -501,7 +472,8 @@ class OpenAIRoutes:
         engine, eos = server.engine, server.model.eos_token_id
         prompt_ids = prompt_token_ids(request.token_ids, engine.vocab_size, None, param="token_ids")
         output_mode = request.output_mode
-        sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, [eos], eos_token_id=eos)
+        eos = end_ids(server.model)
+        sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, eos, eos_token_ids=eos)
         sampling.clip_max_tokens = True  # a growing multi-turn prompt (verifiers' training client) ends at the
         # context, as before: never a 400
         seqs = self._sequences([prompt_ids], sampling)

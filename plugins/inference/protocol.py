@@ -20,6 +20,7 @@ import re
 import time
 import typing
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -457,10 +458,10 @@ class SamplingFields(RequestModel):
         return self.max_tokens
 
     def sampling(self, max_len: int, vocab_size: int, default_stop: list[int], stream: bool = False,
-                 include_usage: bool = False, eos_token_id: int | None = None) -> Sampling:
+                 include_usage: bool = False, eos_token_ids: Collection[int] = ()) -> Sampling:
         """The settings as the engine takes them, checked against the server's ``vocab_size``; ``max_tokens`` is
         checked against each prompt and ``max_len`` by :meth:`Sampling.fit`. ``ignore_eos`` drops
-        ``eos_token_id`` from the default stop tokens (``stop_token_ids`` given stay as given, as on vLLM).
+        ``eos_token_ids`` from the default stop tokens (``stop_token_ids`` given stay as given, as on vLLM).
 
         :raises BadRequest: a stop or ``logit_bias`` token id outside the vocabulary.
         """
@@ -471,7 +472,7 @@ class SamplingFields(RequestModel):
         if any(not 0 <= t < vocab_size for t in stop_ids):
             raise BadRequest(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
         if self.ignore_eos and self.stop_token_ids is None:  # as vLLM: stop_token_ids asked for still stop
-            stop_ids = [t for t in stop_ids if t != eos_token_id]
+            stop_ids = [t for t in stop_ids if t not in eos_token_ids]
         bias = {int(token): value for token, value in (self.logit_bias or {}).items()} or None
         if bias and any(not 0 <= t < vocab_size for t in bias):
             raise BadRequest(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
@@ -506,10 +507,10 @@ class StreamingFields(SamplingFields):
         return self
 
     def stream_sampling(self, max_len: int, vocab_size: int, default_stop: list[int],
-                        eos_token_id: int | None = None) -> Sampling:
+                        eos_token_ids: Collection[int] = ()) -> Sampling:
         options = self.stream_options
         return self.sampling(max_len, vocab_size, default_stop, self.stream, bool(options and options.include_usage),
-                             eos_token_id)
+                             eos_token_ids)
 
 
 class CompletionRequest(StreamingFields):

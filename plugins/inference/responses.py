@@ -14,10 +14,9 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from typing import Any, ClassVar, Literal
 
 from aiohttp import web
-
-from typing import Any, ClassVar, Literal
 
 from i3core.plugins.inference.protocol import (
     MAX_TOKENS,
@@ -32,6 +31,7 @@ from i3core.plugins.inference.protocol import (
     parse_json_object,
     split_tool_calls,
 )
+from i3core.text import end_ids
 
 MAX_STORED = 1024
 """Responses kept for ``previous_response_id`` (the oldest is forgotten first): an agent continues its last one."""
@@ -104,9 +104,8 @@ class Responses:
         offered = chat.offered_tools()
         prompt_ids = server.tokenizer.encode(server.model.render_chat(chat.template_messages(), offered),
                                              add_special_tokens=False).ids
-        eos = server.model.eos_token_id
-        stops = list(dict.fromkeys([*server.model.end_of_turn_ids, eos]))
-        sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size, stops, eos)
+        sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size,
+                                        end_ids(server.model, chat=True), end_ids(server.model))
         instructions = request.instructions
         (seq,) = self.routes._sequences([prompt_ids], sampling)
         response = {

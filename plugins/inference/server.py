@@ -8,16 +8,18 @@ are encoded, chats rendered and stop tokens chosen by that model component.
 
 Endpoints: ``POST /v1/completions`` (token-id or text prompts; returns token ids,
 per-token logprobs and the policy version of every token), ``POST
-/v1/chat/completions``, ``GET /health``, ``GET /metrics`` (counters, ``busy_slot_s`` and ``uptime_s``
-for slot utilisation), ``POST
-/update_weights`` (``{"path": dir, "version": n}``: a STABLE version directory of
-the filesystem weight sync, read under its reader's lease; or ``{"version": n}``
-alone on a server that receives weights by broadcast: it answers once that
-version is live), ``POST /pause``, ``POST /resume``.
+/v1/chat/completions``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /i3/metrics`` (JSON counters,
+``busy_slot_s`` and ``uptime_s`` for slot utilisation), ``GET /openapi.json``, and the admin routes
+(they ask for the admin token): ``POST /update_weights`` (``{"path": dir, "version": n}``: a STABLE version
+directory of the filesystem weight sync under the run's weight directories, read under its reader's lease; or
+``{"version": n}`` alone on a server that receives weights by broadcast: it answers once that version is live),
+``POST /pause``, ``POST /resume``.
 
 Everything that touches the engine runs in one task between decode steps, so
-requests join, weights swap and pauses take effect only between two steps.
-A malformed request gets a 4xx with a message; the server keeps serving.
+requests join, weights swap, aborts and pauses take effect only between two steps.
+A malformed request gets a 4xx with a message; a sequence that fails alone a 500; the server keeps serving.
+An engine that breaks fails every waiting request (503) and the process (exit 1); SIGTERM/SIGINT end it
+gracefully (exit 0): see :func:`serve`.
 
 Run: ``python -m i3core.plugins.inference.server --model-dir DIR --port 8000`` (add
 ``--model NAME --model-options JSON`` for another model component, ``--engine
@@ -78,7 +80,7 @@ class Server:
     def __init__(self, engine: EngineBase, model: Model, model_name: str):
         self.engine = engine
         self.model = model
-        self.tokenizer = model.tokenizer()
+        self.tokenizer = engine.tokenizer if engine.tokenizer is not None else model.tokenizer()
         self.model_name = model_name
         self._adds: list[tuple[Sequence, asyncio.Future]] = []
         self._aborts: list[Sequence] = []
@@ -366,9 +368,9 @@ def model_component(name: str, options: dict, plugins=None) -> Model:
 
 
 def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int,
-                   served_name: str | None = None) -> Server:
+                   served_name: str | None = None, extrapolate: bool = False) -> Server:
     """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
-    directory ``model_dir``.
+    directory ``model_dir`` (``extrapolate``: see :meth:`Engine.load_state`).
 
     :raises I3Error: the model cannot be served by the builtin engine (it has no cached decode).
     """
@@ -377,7 +379,8 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
         raise I3Error(f"model {type(model).__name__} cannot be served by the builtin server (no "
                       f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
     check_max_len(model_dir, max_len)
-    engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version)
+    engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version,
+                    tokenizer=model.tokenizer(), extrapolate=extrapolate)
     return Server(engine, model, served_name or str(model_dir))
 
 

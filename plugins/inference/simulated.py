@@ -82,8 +82,9 @@ class SimEngine(EngineBase):
     computes_logits = False
 
     def __init__(self, model: TimingModel, *, vocab_size: int, sample_vocab: int, max_slots: int, max_len: int,
-                 version: int = 0, index: int = 0):
-        super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=vocab_size, version=version)
+                 version: int = 0, index: int = 0, tokenizer=None):
+        super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=vocab_size, version=version,
+                         tokenizer=tokenizer)
         self.timing = model
         self.sample_vocab = min(sample_vocab, vocab_size)
         self._base = torch.randn(self.sample_vocab, self.sample_vocab, generator=torch.Generator().manual_seed(model.seed))
@@ -205,11 +206,16 @@ class SimulatedSource(ServerProcesses):
             *model_args(model), *receiver_args(receiver, index),
         ]  # fmt: skip
 
+    def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()):
+        """The orchestrator's client; no stop strings: a simulated completion's length is the length model's."""
+        return super().client(url, tokenizer, stop_token_ids)
+
 
 def simulated_engine(model_dir: Path, model: Model, timing: TimingModel, *, max_slots: int, max_len: int,
                      version: int, index: int = 0) -> SimEngine:
     """A :class:`SimEngine` with the vocabulary of the model under ``model_dir`` (its ``config.json``), sampling
     among the tokens of ``model``'s tokenizer."""
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    return SimEngine(timing, vocab_size=vocab_size, sample_vocab=model.tokenizer().get_vocab_size(),
-                     max_slots=max_slots, max_len=max_len, version=version, index=index)
+    tokenizer = model.tokenizer()
+    return SimEngine(timing, vocab_size=vocab_size, sample_vocab=tokenizer.get_vocab_size(),
+                     max_slots=max_slots, max_len=max_len, version=version, index=index, tokenizer=tokenizer)

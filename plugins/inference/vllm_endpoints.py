@@ -8,7 +8,10 @@ client is one class:
 
 - ``POST /v1/completions``: token-id (or text) prompts, tokens in, tokens out;
   every token comes back with its logprob (after temperature, vLLM's
-  ``processed_logprobs``) and the policy version that sampled it;
+  ``processed_logprobs``) and the policy version that sampled it; ``stop``
+  strings are vLLM's own, ``stop_token_ids`` default to every eos id (the
+  tokenizer's and generation_config's, where vLLM stops), and the text is
+  :func:`i3core.text.completion_text` of the tokens, as the builtin server's;
 - ``POST /update_weights`` ``{"path", "version"}`` or, with a broadcast
   receiver, ``{"version"}``; ``POST /pause``, ``POST /resume``; ``GET /health``
   (JSON with the live version); ``GET /i3/metrics``. The weight and pause routes ask for the run's admin token
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from i3core.lifetime import ADMIN_TOKEN_ENV
+from i3core.text import completion_text
 from i3core.plugins.inference.protocol import (
     BadRequest,
     CompletionRequest,
@@ -105,6 +109,8 @@ class I3Endpoints:
         self.vocab_size = 0
         self.max_len = 0
         self.tokenizer = None
+        self.eos_ids: list[int] = []
+        """Where a completion stops when the request names no ``stop_token_ids``: as vLLM stops by default."""
         self.active: dict[str, Tracked] = {}
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
@@ -141,6 +147,9 @@ class I3Endpoints:
         self.vocab_size = config.get_vocab_size()
         self.max_len = config.max_model_len
         self.tokenizer = await _tokenizer(engine_client)
+        eos = config.try_get_generation_config().get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = list(dict.fromkeys(i for i in [*eos, self.tokenizer.eos_token_id] if i is not None))
         if self.adapter is not None:
             await self._load_adapter(Path(self.adapter), self.version)
             self.updates = 0  # the version it started from
@@ -171,7 +180,7 @@ class I3Endpoints:
     async def completions(self, body: dict) -> dict:
         request = parse(CompletionRequest, body)
         prompt_ids = request.prompt_ids(self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        sampling = request.sampling(self.max_len, self.vocab_size, [])
+        sampling = request.sampling(self.max_len, self.vocab_size, self.eos_ids)
         # The orchestrator's route: a completion that reaches max_len stops there ("length"), as on the builtin
         # server with clip_max_tokens (what the orchestrator's client sends).
         sampling.clip_max_tokens = True
@@ -179,8 +188,9 @@ class I3Endpoints:
         done = await asyncio.gather(*(self._generate(prompt_ids, sampling, i) for i in range(sampling.n)))
         self.requests_served += 1
         choices = [
-            completion_choice(i, self.tokenizer.decode(t.token_ids, skip_special_tokens=False), prompt_ids,
-                              t.token_ids, t.logprobs, t.versions(), finish)
+            completion_choice(i, completion_text(self.tokenizer, t.token_ids, stop_token_ids=sampling.stop_token_ids,
+                                                 stop=sampling.stop, skip_special_tokens=sampling.skip_special_tokens),
+                              prompt_ids, t.token_ids, t.logprobs, t.versions(), finish)
             for i, (t, finish) in enumerate(done)
         ]
         return envelope("text_completion", f"cmpl-i3-{self.requests_served}", self.model_name, choices, prompt_ids)
@@ -192,8 +202,8 @@ class I3Endpoints:
 
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, seed=sampling.seed_of(i),
-            stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, logprobs=0,
-            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+            stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, stop=list(sampling.stop) or None,
+            logprobs=0, skip_special_tokens=sampling.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
         request_id = f"i3-{next(self._ids)}"
         tracked = self.active[request_id] = Tracked(self.version)

@@ -130,10 +130,11 @@ class VllmSource(ServerProcesses):
                     "--max-cpu-loras", str(LORA_SLOTS)]
         return cmd + list(cfg.extra_args)
 
-    def client(self, url: str, tokenizer, stop_token_ids: list[int]) -> InferenceClient:
-        """The orchestrator's client, on i3core's token route (vLLM's own ``/v1/completions`` stays OpenAI's)."""
-        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, timeout_s=self.config.request_timeout_s,
-                               completions_path=COMPLETIONS_ROUTE)
+    def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()) -> InferenceClient:
+        """The orchestrator's client, on i3core's token route (vLLM's own ``/v1/completions`` stays OpenAI's);
+        the ``stop`` strings go to vLLM as its ``stop``."""
+        return InferenceClient(url, tokenizer, stop_token_ids=stop_token_ids, stop=stop,
+                               timeout_s=self.config.request_timeout_s, completions_path=COMPLETIONS_ROUTE)
 
     def environment(self, index: int, version: int, receiver: dict | None, model_dir: Path | None = None,
                     model: dict | None = None) -> dict[str, str]:

@@ -592,6 +592,13 @@ class HF:
         return self._hf_tokenizer.eos_token_id
 
     @functools.cached_property
+    def eos_token_ids(self) -> list[int]:
+        """Every end-of-sequence token: generation_config's (all of them), then the tokenizer's (where vLLM stops
+        a completion of this directory)."""
+        ids = [*self._generation_eos, self._hf_tokenizer.eos_token_id]
+        return list(dict.fromkeys(i for i in ids if i is not None)) or [self.eos_token_id]
+
+    @functools.cached_property
     def end_of_turn_ids(self) -> list[int]:
         """The token the chat template closes an assistant turn with (``<|im_end|>``, ``<|eot_id|>``...), then
         generation_config's eos tokens and the tokenizer's."""

@@ -15,7 +15,7 @@ This module may import torch, peft and :mod:`i3core`'s core; the model component
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -77,15 +77,19 @@ def is_adapter(name: str) -> bool:
     return _MEMORY.search(name) is not None
 
 
-def file_name(name: str, prefix: str = "") -> str:
-    """The in-memory adapter tensor ``name`` as PEFT's files hold it (``prefix``: where the transformers model
-    sits in the module that holds it)."""
-    return _FILE_PREFIX + _MEMORY.sub(r".\1\2", name.removeprefix(prefix))
+Rename = tuple[Callable[[str], str], Callable[[str], str]]
+"""A module's tensor names to the HF architecture's and back (a model whose modules are not transformers')."""
+SAME: Rename = (str, str)
 
 
-def memory_name(name: str, prefix: str = "") -> str:
+def file_name(name: str, rename: Rename = SAME) -> str:
+    """The in-memory adapter tensor ``name`` as PEFT's files hold it (``rename``: the module's names to HF's)."""
+    return _FILE_PREFIX + _MEMORY.sub(r".\1\2", rename[0](name))
+
+
+def memory_name(name: str, rename: Rename = SAME) -> str:
     """Inverse of :func:`file_name`."""
-    return prefix + _FILE.sub(rf".\1.{ADAPTER}\2", name.removeprefix(_FILE_PREFIX))
+    return rename[1](_FILE.sub(rf".\1.{ADAPTER}\2", name.removeprefix(_FILE_PREFIX)))
 
 
 def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -93,26 +97,27 @@ def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in module.state_dict().items() if is_adapter(name)}
 
 
-def state_from_files(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+def state_from_files(module: nn.Module, tensors: dict[str, torch.Tensor],
+                     rename: Rename = SAME) -> dict[str, torch.Tensor]:
     """The adapter tensors ``tensors`` (named as in PEFT's files) as ``module``'s in-memory state, in its dtype.
 
     :raises ValueError: a missing, unexpected or wrongly shaped tensor (the first of each kind named).
     """
     own = adapter_state(module)
-    given = {memory_name(name, prefix): name for name in tensors}
+    given = {memory_name(name, rename): name for name in tensors}
     state = {memory: tensors[name] for memory, name in given.items()}
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     wrong = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
     problems = []
     if missing:
-        problems.append(f"missing {file_name(missing[0], prefix)}" + (f" (+{len(missing) - 1} more)"
+        problems.append(f"missing {file_name(missing[0], rename)}" + (f" (+{len(missing) - 1} more)"
                                                                      if len(missing) > 1 else ""))
     if unexpected:
         problems.append(f"unexpected {given[unexpected[0]]}"
                         + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     if wrong:
-        problems.append(f"wrong shape {file_name(wrong[0], prefix)}: {tuple(state[wrong[0]].shape)} where the "
+        problems.append(f"wrong shape {file_name(wrong[0], rename)}: {tuple(state[wrong[0]].shape)} where the "
                         f"adapter has {tuple(own[wrong[0]].shape)}")
     if problems:
         raise ValueError("the adapter does not fit the model: " + "; ".join(problems))
@@ -164,8 +169,8 @@ def base_identity(path: Path) -> dict:
     return {"path": str(path), "sha256": digest.hexdigest()}
 
 
-def named_file_tensors(module: nn.Module, full, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def named_file_tensors(module: nn.Module, full, rename: Rename = SAME) -> Iterator[tuple[str, torch.Tensor]]:
     """``(file name, whole tensor)`` of the adapter in module order (``full`` gathers an FSDP2 shard: every rank
     iterates in step)."""
     for name, tensor in adapter_state(module).items():
-        yield file_name(name, prefix), full(tensor)
+        yield file_name(name, rename), full(tensor)

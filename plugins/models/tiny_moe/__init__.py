@@ -12,9 +12,13 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from i3core.errors import I3Error
+from i3core.plugins.models import lora
+from i3core.plugins.models.lora import LoraOptions
 from i3core.plugins.models.tiny_moe import hf
 from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
 from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, IM_START, VOCAB_SIZE, build_tokenizer, token_id
+from i3core.weights import read_hf_tensors
 
 
 class TinyMoE:
@@ -45,6 +49,9 @@ class TinyMoE:
             "grouped_mm", description="torch._grouped_mm over stacked experts, or a per-expert loop (reference)."
         )
         init_from: Path | None = Field(None, description="An HF directory (save_hf output) to start from.")
+        lora: LoraOptions | None = Field(
+            None, description="[model.lora]: train a LoRA adapter on the frozen base `init_from` (\"all-linear\": the "
+                              "attention projections; the router is `router`); versions hold the adapter alone.")
 
         @model_validator(mode="after")
         def _shapes(self):
@@ -56,13 +63,19 @@ class TinyMoE:
                 )
             if self.head_dim % 2:
                 raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+            if self.lora is not None and self.init_from is None:
+                raise ValueError("[model.lora] trains an adapter on a base every server loads: set init_from (the "
+                                 "base's HF directory)")
             return self
 
     def __init__(self, config: Config):
         self.config = config
 
     def build(self, seed: int = 0) -> TinyMoEModel:
-        """A new model: from ``init_from`` when set, else initialised from ``seed``."""
+        """A new model: from ``init_from`` when set, else initialised from ``seed``; with ``lora``, a new adapter
+        (from ``seed``) on the frozen ``init_from``."""
+        if self.config.lora is not None:
+            return self._with_adapter(self.load_hf(self.config.init_from), self._peft_config(), seed)
         if self.config.init_from is not None:
             return self.load_hf(self.config.init_from)
         model = TinyMoEModel(self.config, VOCAB_SIZE)
@@ -116,18 +129,48 @@ class TinyMoE:
         return token_id(EOS)
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        """Where every completion stops by default: ``generation_config.json``'s eos tokens, ``<|im_end|>`` and
+        ``<|endoftext|>`` (vLLM, serving the saved directory, stops at both)."""
+        return list(hf.generation_config()["eos_token_id"])
+
+    @property
     def end_of_turn_ids(self) -> list[int]:
         return [token_id(IM_END)]
 
-    @staticmethod
-    def save_hf(model: TinyMoEModel, path: str | Path) -> Path:
-        """Write ``model`` as an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
+    def save_hf(self, model: TinyMoEModel, path: str | Path) -> Path:
+        """Write ``model`` as an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads; with an adapter,
+        the adapter directory alone (PEFT's files, names of the HF Qwen3-MoE)."""
+        if model.adapter is not None:
+            return lora.save_adapter(dict(self.hf_tensors(model)), model.adapter, self.config.init_from, Path(path))
         return hf.save_hf(model, path)
 
     @staticmethod
     def hf_tensors(model: TinyMoEModel):
-        """``(hf_name, tensor)`` layer by layer in the HF layout (experts unstacked); collective when sharded."""
+        """``(hf_name, tensor)`` layer by layer in the HF layout (experts unstacked); collective when sharded. With an
+        adapter, its tensors alone, named as in PEFT's files."""
+        if model.adapter is not None:
+            return lora.named_file_tensors(model, hf._full, hf.ADAPTER_NAMES)
         return hf.iter_hf_tensors(model)
+
+    def base_identity(self) -> dict | None:
+        """With ``lora``: the base ``init_from`` every checkpoint of the adapter belongs to (path and hash)."""
+        return lora.base_identity(self.config.init_from) if self.config.lora is not None else None
+
+    def _peft_config(self):
+        options = self.config.lora
+        if options.target_modules == "all-linear":  # PEFT's rule needs a transformers model: the same, by name
+            options = options.model_copy(update={"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+        return options.peft_config()
+
+    @staticmethod
+    def _with_adapter(model: TinyMoEModel, config, seed: int) -> TinyMoEModel:
+        try:
+            lora.inject(model, config, seed)
+        except (ValueError, TypeError) as exc:
+            raise I3Error(f"model tiny-moe: [model.lora]: {str(exc).strip().splitlines()[0]}") from None
+        model.adapter = config
+        return model
 
     @staticmethod
     def train_flops(model: TinyMoEModel, position_ids: torch.Tensor, real: torch.Tensor) -> float:
@@ -149,7 +192,17 @@ class TinyMoE:
         return 3 * forward
 
     def load_hf(self, path: str | Path) -> TinyMoEModel:
-        """Read an HF directory back into the stacked layout (this component's backend kept)."""
+        """Read an HF directory back into the stacked layout (this component's backend kept); an adapter directory
+        goes on the base ``init_from``."""
+        if lora.is_adapter_dir(Path(path)):
+            if self.config.init_from is None:
+                raise I3Error(f"model tiny-moe: {path} is an adapter: set init_from (its base's HF directory)")
+            try:
+                model = self._with_adapter(self.load_hf(self.config.init_from), lora.read_config(Path(path)), 0)
+                model.load_state_dict(model.state_dict_from_hf(read_hf_tensors(Path(path))), strict=False)
+            except ValueError as exc:
+                raise I3Error(f"model tiny-moe: adapter {path}: {exc}") from None
+            return model
         hf_cfg, tensors = hf.read_hf(path)
         fields = {**hf.config_fields_from_hf(hf_cfg), "expert_backend": self.config.expert_backend}
         model = TinyMoEModel(self.Config(**fields), hf_cfg["vocab_size"])

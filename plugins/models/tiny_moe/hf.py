@@ -14,6 +14,7 @@ v5's ``num_local_experts``).
 """
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,23 @@ from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, PAD, build_tok
 from i3core.weights import read_hf_tensors
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_MODULE_TO_HF = ((re.compile(r"^blocks\.(\d+)\.attn\."), r"model.layers.\1.self_attn."),
+                 (re.compile(r"^blocks\.(\d+)\.moe\.router\."), r"model.layers.\1.mlp.gate."))
+_HF_TO_MODULE = ((re.compile(r"^model\.layers\.(\d+)\.self_attn\."), r"blocks.\1.attn."),
+                 (re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\."), r"blocks.\1.moe.router."))
+
+
+def _renamer(rules):
+    def rename(name: str) -> str:
+        for pattern, replacement in rules:
+            name = pattern.sub(replacement, name)
+        return name
+
+    return rename
+
+
+ADAPTER_NAMES = (_renamer(_MODULE_TO_HF), _renamer(_HF_TO_MODULE))
+"""An adapter's tensor names: this model's modules to the HF Qwen3-MoE's, and back (attention and router)."""
 
 
 def hf_config(model: TinyMoEModel) -> dict:

@@ -259,6 +259,8 @@ class TinyMoEModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.adapter = None
+        """The PEFT ``LoraConfig`` of an adapter injected on this (frozen) model, or None."""
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -316,10 +318,15 @@ class TinyMoEModel(nn.Module):
         return KVCache(self.cfg, slots, max_len, dtype=next(self.parameters()).dtype)
 
     def state_dict_from_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF-layout ``tensors`` as a state dict of this model's shape (experts stacked), no model built.
+        """HF-layout ``tensors`` as a state dict of this model's shape (experts stacked), no model built; with an
+        adapter, the adapter's tensors (PEFT's names in the HF architecture) as a state of them alone.
 
         :raises ValueError: a missing, unexpected or wrongly shaped tensor.
         """
-        from i3core.plugins.models.tiny_moe.hf import hf_state_dict  # hf builds on this module
+        from i3core.plugins.models.tiny_moe.hf import ADAPTER_NAMES, hf_state_dict  # hf builds on this module
 
+        if self.adapter is not None:
+            from i3core.plugins.models import lora
+
+            return lora.state_from_files(self, tensors, ADAPTER_NAMES)
         return hf_state_dict(self, tensors)
