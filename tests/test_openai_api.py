@@ -501,6 +501,8 @@ def test_a_malformed_tool_block_stays_text_streamed_exactly_as_not(scripted, tex
     {"max_tokens": 40},  # stop at the end-of-sequence token, or length
     {"max_tokens": 10, "temperature": 0},
     {"max_tokens": 1000, "stop_token_ids": []},  # max_len ends it
+    {"max_tokens": 80, "stop": ["e", "a"], "stop_token_ids": []},  # stop strings (matched in the engine)
+    {"max_tokens": 80, "stop": "\u00e9", "stop_token_ids": []},  # a stop string of a two-byte character
 ])
 def test_streamed_completions_equal_whole_ones_in_text_ids_logprobs_and_versions(served, extra):
     """For the same seed and n = 3: the concatenated stream is the whole answer, choice by choice (i3core's extras

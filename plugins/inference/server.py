@@ -225,12 +225,11 @@ class Server:
             self.abort(seq)
             raise
 
-    async def follow(self, seq: Sequence) -> AsyncIterator[Sequence]:
-        """Queue ``seq`` and yield it after every step that gave it tokens, last once it finished. Leaving the
-        loop early (a stop string, a client gone) aborts it between two steps.
-
-        Each item is ``(tokens, finish_reason)``: how many tokens ``seq`` had and whether it had finished when
-        that step ended; read ``seq``'s lists only up to ``tokens`` (the engine may already be appending more).
+    async def follow(self, seq: Sequence) -> AsyncIterator[tuple[int, str | None]]:
+        """Queue ``seq`` and yield ``(tokens, finish_reason)`` after every step that gave it tokens, last once it
+        finished: how many tokens ``seq`` had and why it had finished (None: it goes on) when that step ended.
+        Read ``seq``'s lists only up to ``tokens`` (the engine thread may already be appending the next step's).
+        Leaving the loop early (a stop string, a client gone) aborts it between two steps.
 
         :raises EngineFailed: the engine broke. :raises ShuttingDown: the server is shutting down.
         """

@@ -230,7 +230,7 @@ class I3Endpoints:
             return {"status": "ok", "version": self.version}
         from i3core.weights import reading
 
-        path = weights_path(path, self.weight_roots) if self.weight_roots else Path(path)
+        path = str(weights_path(path, self.weight_roots)) if self.weight_roots else path  # the worker takes a str
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
                 if self.lora is not None:
