@@ -367,9 +367,9 @@ def model_component(name: str, options: dict, plugins=None) -> Model:
 
 
 def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int,
-                   served_name: str | None = None) -> Server:
+                   served_name: str | None = None, extrapolate: bool = False) -> Server:
     """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
-    directory ``model_dir``.
+    directory ``model_dir`` (``extrapolate``: see :meth:`Engine.load_state`).
 
     :raises I3Error: the model cannot be served by the builtin engine (it has no cached decode).
     """
@@ -378,7 +378,7 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
         raise I3Error(f"model {type(model).__name__} cannot be served by the builtin server (no "
                       f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
     engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version,
-                    tokenizer=model.tokenizer())
+                    tokenizer=model.tokenizer(), extrapolate=extrapolate)
     return Server(engine, model, served_name or str(model_dir))
 
 
