@@ -303,7 +303,7 @@ def test_a_resumed_stream_draws_the_untrained_prompts_again_first_and_keeps_the_
 def test_resume_rebuilds_the_rows_of_steps_the_checkpoint_holds_but_metrics_jsonl_lacks(tmp_path):
     """The trainer checkpointed step 3, then the run died (or the disk filled) before the orchestrator wrote
     row 3: the row is rebuilt from the step's saved orchestrator and trainer metrics."""
-    from i3core.loop.run import _restore_missing_rows
+    from i3core.loop.resume import _restore_missing_rows
     from i3core.loop.paths import RunPaths
 
     paths = RunPaths(tmp_path)
@@ -390,3 +390,91 @@ def _children(pid):
     import psutil
 
     return [c.pid for c in psutil.Process(pid).children()]
+
+
+@pytest.mark.slow
+def test_sigterm_makes_every_rank_checkpoint_its_last_step_and_resume_goes_on_bit_for_bit(tmp_path):
+    """A scheduler's SIGTERM (time limit, preemption) to torchrun while its two ranks wait for batch 4: step 3 is
+    checkpointed (no checkpoint_every step was due), the trainer exits 143 with one line, and ``--resume`` trains
+    4-6 to the weights of an uninterrupted run."""
+    optimizer = {"use": "adamw", "lr": 1e-2}
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for out in (whole, cut):
+        make_batches(out, STEPS)
+    torchrun_trainer(trainer_config(tmp_path, whole, 2, STEPS, optimizer), 2)
+    later = tmp_path / "later"
+    later.mkdir()
+    for step in range(4, STEPS + 1):  # not written yet: the trainer waits for them
+        (cut / "batches" / f"step_{step}.pt").rename(later / f"step_{step}.pt")
+    config = trainer_config(tmp_path, cut, 2, STEPS, optimizer, checkpoint_every=100)
+    proc = subprocess.Popen(trainer_command(config, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (cut / "trainer" / "step_3.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its ranks
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "error: stopped on SIGTERM: checkpoint step_3 written; continue with --resume" in stderr, stderr[-3000:]
+    assert checkpoint.complete_steps(cut / "checkpoints") == [3]
+    for batch in later.iterdir():
+        batch.rename(cut / "batches" / batch.name)
+    torchrun_trainer(config, 2, "--resume")
+    expected, got = weights(whole), weights(cut)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert json.loads((cut / "ATTEMPT.json").read_text())["step"] == 3
+
+
+def test_rewind_undoes_what_the_orchestrator_cut_after_the_checkpoint_and_nothing_else(tmp_path):
+    from i3core.loop import resume
+    from i3core.loop.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    paths.make()
+    for step in range(1, 6):
+        paths.batch(step).write_bytes(b"b")
+        paths.trainer_metrics(step).write_text("{}")
+        (paths.broadcasts / f"step_{step}").mkdir()
+    for step in range(1, 5):  # the orchestrator cut 1-4; batch 5 was handed to the trainer otherwise
+        OrchestratorState(step=step, next_position=8 * step, redraw=[]).save(paths.orchestrator_state(step))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    paths.stop().touch()
+    paths.restart().touch()
+    resume.rewind(tmp_path, 2)
+    assert sorted(p.name for p in paths.batches.iterdir()) == ["step_1.pt", "step_2.pt", "step_5.pt"]
+    assert sorted(p.name for p in paths.orchestrator.iterdir()) == ["step_1.json", "step_2.json"]
+    assert sorted(p.name for p in paths.trainer.iterdir()) == ["step_1.json", "step_2.json"]
+    assert sorted(p.name for p in paths.broadcasts.iterdir()) == ["step_1"]  # version 2 is published again
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    assert not paths.stop().exists() and not paths.restart().exists()
+    inode = metrics.stat().st_ino
+    resume.rewind(tmp_path, 2)  # again: nothing changes, metrics.jsonl is not rewritten (a sink may hold it open)
+    assert metrics.stat().st_ino == inode
+    resume.rewind(tmp_path, 0)  # no checkpoint: the run starts over
+    assert not list(paths.broadcasts.iterdir()) and metrics.read_text() == ""
+
+
+def test_roles_wait_for_the_marker_of_their_attempt(tmp_path, monkeypatch):
+    from i3core.errors import I3Error
+    from i3core.loop import resume
+    from i3core.loop.paths import RunPaths
+
+    paths = RunPaths(tmp_path)
+    monkeypatch.setenv(resume.ATTEMPT_ENV, "7.0")
+    old = resume.announce(paths, 4)
+    monkeypatch.setenv(resume.ATTEMPT_ENV, "7.1")
+    with pytest.raises(I3Error, match=r"the trainer did not start attempt 7\.1 \(no .*ATTEMPT\.json\) in 0s"):
+        resume.wait_for_attempt(paths, timeout_s=0)  # the previous attempt's marker is not this one's
+    new = resume.announce(paths, 2)
+    assert resume.wait_for_attempt(paths, timeout_s=0) == resume.Attempt("7.1", 2)
+    assert resume.changed_attempt(paths, old) == new and resume.changed_attempt(paths, new) is None
+    monkeypatch.delenv(resume.ATTEMPT_ENV)
+    assert resume.wait_for_attempt(paths, timeout_s=0) == new  # no id (Kubernetes): the newest marker
+    with pytest.raises(I3Error, match="did not start an attempt"):
+        resume.wait_for_attempt(paths, after=new, timeout_s=0)

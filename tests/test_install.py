@@ -60,6 +60,15 @@ def test_regular_install_of_i3core(venv, tmp_path):
     shutil.rmtree(source)  # the installed copy must not need the source tree
     report = json.loads(cli(venv, "plugins", "--json").stdout)
     assert "i3core.losses" in {p["name"] for p in report["plugins"]}
+    # the launch templates are package data: rendered from the installed copy, not from a checkout's deploy/
+    config = tmp_path / "cluster.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace(
+        '[inference]\nuse = "local"', '[inference]\nuse = "builtin"\nservers = 2\n#'))
+    slurm = cli(venv, "launch", "--dry-run", str(config), "--gpus-per-node", "0", cwd=tmp_path)
+    assert slurm.returncode == 0, slurm.stderr
+    assert "#SBATCH hetjob" in slurm.stdout and "#SBATCH --nodes=2" in slurm.stdout and "{{" not in slurm.stdout
+    k8s = cli(venv, "launch", "--dry-run", str(config), "--target", "k8s", "--out", str(tmp_path / "k8s"))
+    assert k8s.returncode == 0 and len(k8s.stdout.split()) == 4, k8s.stderr
 
 
 def test_example_plugin_installs_and_is_listed_and_accepted(venv):

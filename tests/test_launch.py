@@ -1,14 +1,18 @@
-"""``i3core launch --dry-run``: the Slurm and Kubernetes files of deploy/, rendered from a real plugins.toml."""
+"""``i3core launch``: the packaged Slurm and Kubernetes templates rendered from a real plugins.toml, their node
+shapes and options, and ``--submit`` where there is no Slurm. The job submitted to a real Slurm: test_slurm.py."""
 
 import asyncio
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+import i3core
 from i3core.cli.main import build_parser
 
 from .conftest import QUICKSTART_LOCAL, ROOT, run_cli
@@ -52,10 +56,53 @@ def test_slurm_sbatch_renders_and_passes_bash_n(tmp_path, cluster):
     headers = re.findall(r"^#SBATCH (.*)$", text, re.M)
     assert headers.count("hetjob") == 2 and headers.count("--partition=h200") == 2
     assert "--nodes=2" in headers and "--nodes=3" in headers and "--gpus-per-node=4" in headers
-    assert "torchrun --nnodes=2 --nproc-per-node=4" in text and "-m i3core.loop.trainer" in text
+    assert "torch.distributed.run --nnodes=2 --nproc-per-node=4" in text and "-m i3core.loop.trainer" in text
     assert f'CONFIG="{cluster}"' in text and f"#SBATCH --chdir={tmp_path}" in text
-    assert 'i3core inference "$CONFIG" --index "$i" --port 8000 --host 0.0.0.0' in text
-    assert 'i3core orchestrator "$CONFIG" --servers "${SERVERS[@]}"' in text
+    assert 'i3core inference "$CONFIG" --index "$i" --port 8000 --host 0.0.0.0 --resume' in text
+    assert 'i3core orchestrator "$CONFIG" --servers "${SERVERS[@]}" --resume' in text
+    assert '-m i3core.loop.trainer "$CONFIG" --resume' in text  # every attempt continues the run
+    # requeue-safe: requeueable, appended logs, SIGTERM ahead of the time limit, an id per attempt
+    for header in ("--requeue", "--open-mode=append", "--signal=B:TERM@120", "--exclusive"):
+        assert header in headers
+    assert 'ATTEMPT="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"' in text and "scontrol requeue" in text
+    assert not [h for h in headers if h.startswith(("--time", "--account"))]
+
+
+def test_slurm_cpu_nodes_and_every_option(tmp_path, cluster):
+    """``--gpus-per-node 0``: no GPU asked for anywhere, torchrun's ranks from --procs-per-node; the scheduler's
+    options land in the header."""
+    result = run_cli("launch", "--dry-run", cluster, "--gpus-per-node", "0", "--procs-per-node", "3",
+                     "--orchestrator-cpus", "2", "--partition", "cpu-big", "--cpu-partition", "cpu-small",
+                     "--time", "1-00:00:00", "--account", "rl", "--sbatch=--qos=high", "--sbatch=--mail-type=END",
+                     "--signal-grace", "300", "--inference-port", "8123", "--rdzv-port", "29600", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    headers = re.findall(r"^#SBATCH (.*)$", text, re.M)
+    assert not [h for h in headers if "gpu" in h or "gres" in h]
+    assert headers.count("--partition=cpu-big") == 2 and "--partition=cpu-small" in headers
+    assert {"--time=1-00:00:00", "--account=rl", "--qos=high", "--mail-type=END", "--signal=B:TERM@300",
+            "--cpus-per-task=2"} <= set(headers)
+    assert headers.index("--qos=high") < headers.index("hetjob")  # job-wide options in the first component
+    assert "torch.distributed.run --nnodes=1 --nproc-per-node=3" in text and ':29600" --rdzv-id' in text
+    assert "http://$node:8123" in text and "--port 8123" in text
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    one = run_cli("launch", "--dry-run", cluster, "--gpus-per-node", "0", cwd=tmp_path)
+    assert "--nproc-per-node=1 " in one.stdout
+    bad = run_cli("launch", "--dry-run", cluster, "--sbatch", "qos=high")
+    assert bad.returncode == 1 and bad.stderr.splitlines() == [
+        "error: --sbatch takes one sbatch option (e.g. --sbatch=--qos=high), got 'qos=high'"]
+
+
+def test_submit_without_sbatch_is_one_line_and_exit_2(tmp_path, cluster):
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # python and i3core, no Slurm
+    result = run_cli("launch", "--submit", cluster, "--gpus-per-node", "0", cwd=tmp_path, env=env)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: sbatch is not on PATH: submit from a Slurm login node, or render the job script with --dry-run"]
+    k8s = run_cli("launch", "--submit", cluster, "--target", "k8s", cwd=tmp_path)
+    assert k8s.returncode == 2 and k8s.stderr.splitlines() == [
+        "error: --submit submits to Slurm; for --target k8s render with --dry-run --out DIR, then kubectl apply -f DIR"]
 
 
 def test_k8s_manifests_render_parse_and_deserialise(tmp_path, cluster):
@@ -79,10 +126,17 @@ def test_k8s_manifests_render_parse_and_deserialise(tmp_path, cluster):
     assert trainer["completions"] == 2 and trainer["completionMode"] == "Indexed"
     container = trainer["template"]["spec"]["containers"][0]
     assert container["image"] == "reg/i3core:1" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert container["command"] == ["torchrun"] and container["args"][-3:] == ["-m", "i3core.loop.trainer",
-                                                                               "/config/plugins.json"]
-    assert by_name[("StatefulSet", "quickstart-inference")]["spec"]["replicas"] == 2  # [inference] servers
-    orchestrator = by_name[("Job", "quickstart-orchestrator")]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["torchrun"] and container["args"][-4:] == ["-m", "i3core.loop.trainer",
+                                                                               "/config/plugins.json", "--resume"]
+    # the same resume semantics as on Slurm: failed pods restart, and every role starts with --resume
+    assert trainer["backoffLimit"] == 10 and trainer["template"]["spec"]["restartPolicy"] == "OnFailure"
+    inference = by_name[("StatefulSet", "quickstart-inference")]["spec"]
+    assert inference["replicas"] == 2  # [inference] servers
+    assert inference["template"]["spec"]["containers"][0]["args"][0].endswith("--host 0.0.0.0 --resume")
+    job = by_name[("Job", "quickstart-orchestrator")]["spec"]
+    assert job["backoffLimit"] == 10 and job["template"]["spec"]["restartPolicy"] == "OnFailure"
+    orchestrator = job["template"]["spec"]["containers"][0]
+    assert orchestrator["command"][-2:] == ["--resume", "--servers"]
     assert orchestrator["args"] == [f"http://quickstart-inference-{i}.quickstart-inference:8000" for i in range(2)]
     assert "nvidia.com/gpu" not in json.dumps(orchestrator)
 
@@ -115,11 +169,41 @@ def test_the_k8s_config_map_holds_a_config_the_roles_accept(tmp_path, cluster):
     assert check.returncode == 0, check.stderr
 
 
+def test_k8s_cpu_nodes_ask_for_cpus_not_gpus(tmp_path, cluster):
+    result = run_cli("launch", "--dry-run", cluster, "--target", "k8s", "--gpus-per-node", "0", "--procs-per-node",
+                     "4", "--restarts", "3")
+    assert result.returncode == 0, result.stderr
+    assert "nvidia.com/gpu" not in result.stdout
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout)}
+    trainer = docs[("Job", "quickstart-trainer")]["spec"]
+    assert trainer["backoffLimit"] == 3
+    container = trainer["template"]["spec"]["containers"][0]
+    assert container["resources"] == {"requests": {"cpu": "4"}} and "--nproc-per-node=4" in container["args"]
+
+
+def test_the_templates_are_package_data_and_templates_overrides(tmp_path, cluster):
+    from i3core.cli.launch import default_templates
+
+    shipped = default_templates()
+    assert shipped == Path(i3core.__file__).parent / "templates"
+    assert {p.name for p in (shipped / "slurm").iterdir()} == {"i3core.sbatch.tmpl"}
+    own = tmp_path / "mine" / "slurm"
+    own.mkdir(parents=True)
+    (own / "tiny.sbatch.tmpl").write_text("#!/bin/bash\n#SBATCH --job-name={{name}}\necho {{trainer_nodes}}\n")
+    result = run_cli("launch", "--dry-run", cluster, "--templates", str(tmp_path / "mine"))
+    assert result.returncode == 0 and result.stdout == "#!/bin/bash\n#SBATCH --job-name=quickstart\necho 1\n"
+    empty = run_cli("launch", "--dry-run", cluster, "--templates", str(tmp_path / "none"))
+    assert empty.returncode == 1 and empty.stderr.splitlines() == [
+        f"error: no slurm templates (*.sbatch.tmpl) in {tmp_path / 'none' / 'slurm'}: pass --templates DIR "
+        "(holding slurm/)"]
+
+
 def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path, cluster):
     plain = run_cli("launch", QUICKSTART)
-    assert plain.returncode == 2 and plain.stderr.splitlines() == [  # a usage error, like sandbox manifests
-        "error: i3core launch only renders for now: add --dry-run, then submit the files with sbatch or "
-        "kubectl apply -f"]
+    assert plain.returncode == 2 and "one of the arguments --dry-run --submit is required" in plain.stderr
+    resume = run_cli("launch", "--dry-run", "--resume", cluster)
+    assert resume.returncode == 2 and resume.stderr.splitlines() == [
+        "error: --resume goes with --submit (the rendered job always starts its roles with --resume)"]
     local = run_cli("launch", "--dry-run", QUICKSTART)
     assert local.returncode == 1 and local.stderr.splitlines() == [
         "error: cannot launch the roles separately: inference 'local' starts no servers to put on nodes (it runs "

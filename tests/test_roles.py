@@ -85,3 +85,94 @@ def test_roles_refuse_the_in_process_engine_in_one_line(tmp_path):
         result = subprocess.run([sys.executable, "-m", "i3core.cli", *role], capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 1 and result.stderr.splitlines() == [expected[role[0]]], result.stderr
+
+
+def test_roles_restarted_one_at_a_time_follow_the_trainer_and_train_every_step_once(tmp_path):
+    """Kubernetes' semantics on one machine (no attempt id in common, each role restarted alone with --resume when
+    it exits, as restartPolicy: OnFailure does): the orchestrator SIGKILLed and restarted asks the trainer for a new
+    attempt (the trainer checkpoints and exits 75, and is restarted); then the trainer SIGKILLed and restarted, and
+    the running orchestrator exits 75 to follow it. The run ends with one row per step and every prompt trained
+    once."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from i3core.loop.checkpoint import OrchestratorState
+
+    from .conftest import assert_ledger, read_metrics
+
+    steps = 8
+    config, port = role_config(tmp_path, steps), free_port()
+    config.write_text(config.read_text().replace("[trainer]\n", "[trainer]\ncheckpoint_every = 2\n"))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "I3CORE_ATTEMPT"}
+    commands = {
+        "trainer": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                    "-m", "i3core.loop.trainer", str(config), "--resume"],
+        "inference": [sys.executable, "-m", "i3core.cli", "inference", str(config), "--port", str(port), "--resume"],
+        "orchestrator": [sys.executable, "-m", "i3core.cli", "orchestrator", str(config), "--resume",
+                         "--servers", f"http://127.0.0.1:{port}"],
+    }  # fmt: skip
+    logs = {name: open(tmp_path / f"{name}.log", "a") for name in commands}
+    procs, exits = {}, []
+
+    def start(name):
+        procs[name] = subprocess.Popen(commands[name], stdout=logs[name], stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+
+    def kill(name):
+        tree = [psutil.Process(procs[name].pid), *psutil.Process(procs[name].pid).children(recursive=True)]
+        for member in tree:
+            member.send_signal(signal.SIGKILL)
+        procs[name].wait()
+        psutil.wait_procs(tree, timeout=30)
+
+    def asked_to_restart(name, code):
+        """Exit 75; torchrun exits 1 for a rank's 75: the rank's own line says it."""
+        if name == "trainer" and code == 1:
+            errors = [ln for ln in (tmp_path / "trainer.log").read_text().splitlines() if ln.startswith("error: ")]
+            return bool(errors) and errors[-1].startswith("error: stopped on restart:")
+        return code == 75
+
+    def supervise(until, timeout=400):
+        """Restart a role that asks for it, as its restartPolicy would, until ``until()``."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < deadline, {n: (tmp_path / f"{n}.log").read_text()[-2000:] for n in procs}
+            for name, proc in procs.items():
+                code = proc.poll()
+                if code is not None and asked_to_restart(name, code):
+                    exits.append(name)
+                    start(name)
+                elif code is not None and code != 0:
+                    raise AssertionError(f"{name} exited {code}: " + (tmp_path / f"{name}.log").read_text()[-3000:])
+            time.sleep(0.2)
+
+    try:
+        for name in commands:
+            start(name)
+        supervise(lambda: len(read_metrics(out)) >= 3)
+        kill("orchestrator")
+        start("orchestrator")
+        supervise(lambda: exits == ["trainer"] and len(read_metrics(out)) >= 6)
+        kill("trainer")
+        start("trainer")
+        supervise(lambda: procs["orchestrator"].poll() == 0)
+        assert procs["trainer"].wait(timeout=120) == 0
+    finally:
+        for name, proc in procs.items():
+            if proc.poll() is None:
+                kill(name)
+        for log in logs.values():
+            log.close()
+    assert exits == ["trainer", "orchestrator"]
+    assert "error: stopped on restart: checkpoint step_" in (tmp_path / "trainer.log").read_text()
+    assert "error: the trainer started attempt" in (tmp_path / "orchestrator.log").read_text()
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert_ledger(rows)
+    positions = [p for s in range(1, steps + 1)
+                 for p in OrchestratorState.load(out / "orchestrator" / f"step_{s}.json").batch_positions]
+    assert len(positions) == len(set(positions)) == steps * 8

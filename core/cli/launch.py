@@ -1,17 +1,22 @@
-"""``i3core launch --dry-run``: render the cluster launch files of a run from its plugins.toml.
+"""``i3core launch``: render the cluster launch files of a run from its plugins.toml, and submit them to Slurm.
 
-The templates live in the source tree's ``deploy/`` (``deploy/slurm/*.sbatch.tmpl``,
-``deploy/k8s/*.yaml.tmpl``); ``{{name}}`` placeholders are filled from the config
-and the command-line sizes, and a placeholder without a value is an error, never
-left in the output. Every role runs a command that exists: ``torchrun -m
-i3core.loop.trainer``, ``i3core inference``, ``i3core orchestrator``
-(:mod:`i3core.loop.roles`). Nothing is submitted: the output goes to stdout or a folder
-for ``sbatch`` / ``kubectl apply -f``.
+The templates ship with the package (``i3core/templates/slurm/*.sbatch.tmpl``,
+``i3core/templates/k8s/*.yaml.tmpl``, package data; ``--templates DIR`` reads another
+folder of the same layout). ``{{name}}`` placeholders are filled from the config and
+the command-line node shapes (:class:`Sizes`), and a placeholder without a value is
+an error, never left in the output. Every role runs a command that exists: ``torchrun
+-m i3core.loop.trainer``, ``i3core inference``, ``i3core orchestrator``
+(:mod:`i3core.loop.roles`), each with ``--resume`` (:mod:`i3core.loop.resume`).
+``--dry-run`` prints or writes the files; ``--submit`` (Slurm) writes the job script
+into the run directory and hands it to ``sbatch``.
 """
 
+import importlib.resources
 import json
 import re
-from dataclasses import dataclass
+import shutil
+import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from i3core.config import RunConfig
@@ -27,27 +32,43 @@ K8S_RUNS = "/runs"
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
 
+SUBMIT_TIMEOUT_S = 60.0
+"""sbatch answers at once when the controller is up; a controller that does not answer fails the submission."""
+
+
 @dataclass
 class Sizes:
-    """What the config does not say: how many machines of which kind."""
+    """What the config does not say: the node shapes and the scheduler's options (every one a flag of
+    ``i3core launch``)."""
 
     trainer_nodes: int = 1
     inference_nodes: int | None = None
     """Default: ``[inference] servers``."""
     gpus_per_node: int = 8
-    gpu_partition: str = "gpu"
+    """0: CPU nodes (no GPU asked for; the trainer runs ``procs_per_node`` gloo ranks a node)."""
+    procs_per_node: int | None = None
+    """Trainer ranks a node (torchrun ``--nproc-per-node``); default: ``gpus_per_node``, or 1 on CPU nodes."""
+    partition: str = "gpu"
     cpu_partition: str = "cpu"
     orchestrator_cpus: int = 16
+    time: str | None = None
+    account: str | None = None
+    sbatch: list[str] = field(default_factory=list)
+    """Extra ``#SBATCH`` options of the whole job (``--qos=high``), in order."""
+    signal_grace_s: int = 120
+    """SIGTERM goes to the job this long before its time limit (and on preemption): the trainer checkpoints."""
     image: str = "i3core:latest"
     namespace: str = "default"
     storage: str = "100Gi"
     inference_port: int = 8000
     rdzv_port: int = 29500
+    restarts: int = 10
+    """Kubernetes: how often a role's pod is restarted (the Jobs' backoffLimit) before the run fails."""
 
 
 def default_templates() -> Path:
-    """``deploy/`` of the source tree this package runs from (an editable install or a checkout)."""
-    return Path(__file__).resolve().parents[2] / "deploy"  # core/cli/launch.py -> the source tree
+    """The templates shipped in the package (``i3core/templates``), wherever i3core is installed."""
+    return Path(str(importlib.resources.files("i3core") / "templates"))
 
 
 def render(template: str, values: dict[str, object], where: str = "template") -> str:
@@ -71,7 +92,7 @@ def launch_files(config: RunConfig, config_path: Path, target: str, sizes: Sizes
     root = (templates or default_templates()) / folder
     paths = sorted(root.glob(f"*{suffix}"))
     if not paths:
-        raise I3Error(f"no {target} templates (*{suffix}) in {root}: pass --templates DEPLOY_DIR")
+        raise I3Error(f"no {target} templates (*{suffix}) in {root}: pass --templates DIR (holding {folder}/)")
     if target == "k8s":
         rank = {name: i for i, name in enumerate(K8S_ORDER)}
         paths.sort(key=lambda p: rank.get(p.name.removesuffix(suffix), len(rank)))
@@ -94,8 +115,14 @@ def _unlaunchable(config: RunConfig) -> list[str]:
 def _values(config: RunConfig, config_path: Path, target: str, sizes: Sizes) -> dict[str, object]:
     name = re.sub(r"[^a-z0-9-]+", "-", config.run.name.lower()).strip("-") or "run"
     inference_nodes = sizes.inference_nodes or config.option("inference", "servers", 1)
+    gpus = sizes.gpus_per_node
     values: dict[str, object] = {
         **{k: getattr(sizes, k) for k in Sizes.__dataclass_fields__},
+        "procs_per_node": sizes.procs_per_node or gpus or 1,
+        "node_resources": f"#SBATCH --gpus-per-node={gpus}" if gpus else "# CPU nodes (--gpus-per-node 0): no GPUs",
+        "job_options": "\n".join(_job_options(sizes)) or "# no --time, --account or --sbatch options",
+        "k8s_resources": f"limits: {{nvidia.com/gpu: {gpus}}}" if gpus else
+                         f'requests: {{cpu: "{sizes.procs_per_node or 1}"}}',
         "name": name,
         "inference_nodes": inference_nodes,
         "inference": config.get("inference").name,
@@ -113,6 +140,15 @@ def _values(config: RunConfig, config_path: Path, target: str, sizes: Sizes) -> 
     return values
 
 
+def _job_options(sizes: Sizes) -> list[str]:
+    options = [f"--time={sizes.time}"] * bool(sizes.time) + [f"--account={sizes.account}"] * bool(sizes.account)
+    for extra in sizes.sbatch:
+        if "\n" in extra or not extra.startswith("-"):
+            raise I3Error(f"--sbatch takes one sbatch option (e.g. --sbatch=--qos=high), got {extra!r}")
+        options.append(extra)
+    return [f"#SBATCH {option}" for option in options]
+
+
 def write(files: dict[str, str], out: Path | None) -> list[Path]:
     """Print the files (YAML documents joined by ``---``) or write them under ``out``; the sbatch is executable."""
     if out is None:
@@ -127,3 +163,33 @@ def write(files: dict[str, str], out: Path | None) -> list[Path]:
             path.chmod(0o755)
         written.append(path)
     return written
+
+
+def submit(files: dict[str, str], out: Path) -> tuple[str, Path]:
+    """Write the Slurm job script into the run directory ``out`` and submit it with ``sbatch``.
+
+    :return: the job id and the job's output file (``out/logs/slurm-JOBID.out``; the roles' logs beside it).
+    :raises I3Error: no ``sbatch`` on PATH (``exit_code`` 2), or sbatch refused the job (its own message).
+    """
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise NoScheduler("sbatch is not on PATH: submit from a Slurm login node, or render the job script "
+                          "with --dry-run")
+    (out / "logs").mkdir(parents=True, exist_ok=True)  # the job's output goes there before the script runs
+    (script,) = write(files, out)
+    try:
+        result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True,
+                                timeout=SUBMIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise I3Error(f"sbatch did not answer in {SUBMIT_TIMEOUT_S:.0f}s (is slurmctld up?)") from None
+    if result.returncode != 0:
+        message = " ".join(result.stderr.split()) or f"exit code {result.returncode}"
+        raise I3Error(f"sbatch refused {script}: {message}")
+    job = result.stdout.strip().split(";")[0]  # --parsable: JOBID[;CLUSTER]
+    return job, out / "logs" / f"slurm-{job}.out"
+
+
+class NoScheduler(I3Error):
+    """The scheduler's commands are not on this machine (a usage error: exit 2)."""
+
+    exit_code = 2

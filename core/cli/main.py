@@ -19,15 +19,23 @@ DEBUG_ENV = "I3CORE_DEBUG"
 """Set to 1 to let unexpected exceptions show their traceback."""
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _whole_number(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _whole_number(1)
+non_negative_int = _whole_number(0)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = commands.add_parser("trainer", help="the trainer role alone (run it under torchrun)",
                                   description="Run only the trainer; `i3core run` starts it for you.")
     _add_config_args(trainer)
+    trainer.add_argument("--resume", action="store_true", help="continue the run in output_dir from its newest "
+                         "complete checkpoint (none: start it over), undoing what it did after it")
     trainer.set_defaults(func=cmd_trainer)
 
     agent = commands.add_parser("sandbox-agent", help="serve one sandbox's HTTP API (the Kubernetes sidecar)",
@@ -154,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     inference.add_argument("--index", type=int, default=0, help="this server's index among the run's servers")
     inference.add_argument("--port", type=int, default=8000, help="port to listen on")
     inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
+    inference.add_argument("--resume", action="store_true", help="serve the version the trainer's attempt started "
+                           "from (its marker in output_dir; $I3CORE_ATTEMPT names the attempt) instead of version 0")
     inference.set_defaults(func=cmd_inference)
 
     serve = commands.add_parser("serve", help="serve a saved model directory over the OpenAI API (like vllm serve)",
@@ -204,25 +216,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(orchestrator)
     orchestrator.add_argument("--servers", nargs="+", required=True, metavar="URL",
                               help="base URLs of the inference servers (http://host:port)")
+    orchestrator.add_argument("--resume", action="store_true", help="continue from the checkpoint the trainer's "
+                              "attempt started from (its marker in output_dir; $I3CORE_ATTEMPT names the attempt): "
+                              "state, ledger and prompt stream restored")
     orchestrator.set_defaults(func=cmd_orchestrator)
 
-    launch = commands.add_parser("launch", help="render Slurm or Kubernetes launch files for the three roles",
-                                 description="Render deploy/'s templates from plugins.toml (trainer under torchrun, "
-                                 "one inference server per node, the orchestrator on a CPU node); submits nothing.",
+    launch = commands.add_parser("launch", help="render, or submit to Slurm, the cluster job of the three roles",
+                                 description="Render the packaged Slurm or Kubernetes templates from plugins.toml "
+                                 "(trainer under torchrun, one inference server per node, the orchestrator on a CPU "
+                                 "node, every role started with --resume) and print them (--dry-run) or submit the "
+                                 "Slurm job with sbatch (--submit). See docs/deploy.md.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     launch.add_argument("config", type=Path, help="path to a plugins.toml")
-    launch.add_argument("--dry-run", action="store_true", help="render only (required: launch submits nothing yet)")
+    mode = launch.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dry-run", action="store_true", help="render only: print the files, or write them to --out")
+    mode.add_argument("--submit", action="store_true", help="Slurm: write the job script into the run's output_dir "
+                      "and submit it with sbatch; prints the job id and where its logs are")
+    launch.add_argument("--resume", action="store_true", help="--submit into an output_dir that holds an earlier "
+                        "run: continue it from its newest checkpoint (without it such a directory is refused)")
     launch.add_argument("--target", choices=["slurm", "k8s"], default="slurm", help="what to render for")
-    launch.add_argument("--out", type=Path, default=None, help="folder to write the files to (default: stdout)")
-    launch.add_argument("--trainer-nodes", type=int, default=1, help="trainer nodes (torchrun --nnodes)")
-    launch.add_argument("--inference-nodes", type=int, default=None,
-                        help="inference nodes, one server each (default: [inference] servers)")
-    launch.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per trainer/inference node")
-    launch.add_argument("--partition", default="gpu", help="Slurm partition of the GPU nodes")
-    launch.add_argument("--cpu-partition", default="cpu", help="Slurm partition of the orchestrator's node")
-    launch.add_argument("--image", default="i3core:latest", help="Kubernetes: container image with i3core")
-    launch.add_argument("--namespace", default="default", help="Kubernetes namespace")
-    launch.add_argument("--templates", type=Path, default=None, help="deploy/ folder (default: the source tree's)")
+    launch.add_argument("--out", type=Path, default=None, help="--dry-run: folder to write the files to "
+                        "(default: stdout)")
+    nodes = launch.add_argument_group("node shapes")
+    nodes.add_argument("--trainer-nodes", type=positive_int, default=1, help="trainer nodes (torchrun --nnodes)")
+    nodes.add_argument("--inference-nodes", type=positive_int, default=None,
+                       help="inference nodes, one server each (default: [inference] servers)")
+    nodes.add_argument("--gpus-per-node", type=non_negative_int, default=8,
+                       help="GPUs per trainer/inference node; 0: CPU nodes (no GPU asked for, gloo)")
+    nodes.add_argument("--procs-per-node", type=positive_int, default=None,
+                       help="trainer ranks a node (torchrun --nproc-per-node; default: --gpus-per-node, or 1 on "
+                       "CPU nodes)")
+    nodes.add_argument("--orchestrator-cpus", type=positive_int, default=16, help="CPUs of the orchestrator's node")
+    nodes.add_argument("--inference-port", type=positive_int, default=8000, help="port every server listens on")
+    nodes.add_argument("--rdzv-port", type=positive_int, default=29500, help="torchrun's rendezvous port")
+    slurm = launch.add_argument_group("Slurm")
+    slurm.add_argument("--partition", default="gpu", help="partition of the trainer and inference nodes")
+    slurm.add_argument("--cpu-partition", default="cpu", help="partition of the orchestrator's node")
+    slurm.add_argument("--time", default=None, help="the job's time limit (sbatch --time, e.g. 2-00:00:00)")
+    slurm.add_argument("--account", default=None, help="the account charged (sbatch --account)")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                       help="one more #SBATCH option of the job, e.g. --sbatch=--qos=high; repeatable")
+    slurm.add_argument("--signal-grace", dest="signal_grace_s", type=positive_int, default=120,
+                       help="seconds before the time limit the job gets SIGTERM (the trainer checkpoints, the job "
+                       "requeues itself)")
+    k8s = launch.add_argument_group("Kubernetes")
+    k8s.add_argument("--image", default="i3core:latest", help="container image with i3core")
+    k8s.add_argument("--namespace", default="default", help="namespace of every object")
+    k8s.add_argument("--storage", default="100Gi", help="size of the shared ReadWriteMany volume")
+    k8s.add_argument("--restarts", type=non_negative_int, default=10,
+                     help="restarts of a role's pod before the run fails (the Jobs' backoffLimit)")
+    launch.add_argument("--templates", type=Path, default=None,
+                        help="a folder holding slurm/ and k8s/ templates (default: the ones in the package)")
     launch.set_defaults(func=cmd_launch)
 
     new = commands.add_parser("new-plugin", help="scaffold a pip-installable plugin package",
@@ -276,7 +320,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core.loop import trainer
 
-    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides)])
+    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides), *["--resume"] * args.resume])
 
 
 def cmd_sandbox_agent(args: argparse.Namespace) -> int:
@@ -297,7 +341,7 @@ def cmd_inference(args: argparse.Namespace) -> int:
     from i3core.loop import roles
 
     config, _ = _role_config(args)
-    return roles.serve(config, args.index, args.port, args.host)
+    return roles.serve(config, args.index, args.port, args.host, resume=args.resume)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -363,7 +407,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 
     config, plugins = _role_config(args)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
-    return roles.orchestrate(config, plugins, args.servers)
+    return roles.orchestrate(config, plugins, args.servers, resume=args.resume)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -459,17 +503,28 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from i3core.cli.launch import Sizes, launch_files, write
+    from i3core.cli.launch import Sizes, launch_files, submit, write
+    from i3core.loop.resume import refuse_fresh_start_over
 
-    if not args.dry_run:
-        raise UsageError("i3core launch only renders for now: add --dry-run, then submit the files with "
-                         "sbatch or kubectl apply -f")
+    if args.submit and args.target != "slurm":
+        raise UsageError(f"--submit submits to Slurm; for --target {args.target} render with --dry-run --out DIR, "
+                         "then kubectl apply -f DIR")
+    if args.resume and not args.submit:
+        raise UsageError("--resume goes with --submit (the rendered job always starts its roles with --resume)")
     config, _ = _role_config(argparse.Namespace(config=args.config, overrides=[]))
-    sizes = Sizes(trainer_nodes=args.trainer_nodes, inference_nodes=args.inference_nodes,
-                  gpus_per_node=args.gpus_per_node, gpu_partition=args.partition, cpu_partition=args.cpu_partition,
-                  image=args.image, namespace=args.namespace)
-    for path in write(launch_files(config, args.config, args.target, sizes, args.templates), args.out):
-        print(path)
+    sizes = Sizes(**{name: getattr(args, name) for name in Sizes.__dataclass_fields__})
+    files = launch_files(config, args.config, args.target, sizes, args.templates)
+    if args.dry_run:
+        for path in write(files, args.out):
+            print(path)
+        return 0
+    out = config.run.out.resolve()
+    if not args.resume:
+        refuse_fresh_start_over(out)
+    job, output = submit(files, out)
+    print(f"submitted job {job}: {out / next(iter(files))}")
+    print(f"job output: {output}")
+    print(f"role logs:  {out / 'logs'}/{{trainer,inference-*,orchestrator}}-{job}*.log")
     return 0
 
 

@@ -16,13 +16,8 @@ a temporary directory, removed at the next start. Only after the rename are
 checkpoints beyond the newest ``keep`` deleted, so the last complete one
 survives any failure while writing the next (a full disk included).
 
-Resume: the trainer loads step N and publishes its weights as version N (the
-servers start from them), trains N+1 onwards; the orchestrator continues from
-its state at N: prompts it had drawn but not trained by then are drawn again,
-first and in stream order, then the stream goes on where it was. Batches,
-weight versions and metric rows of steps after N (trained before the crash but
-not checkpointed) are deleted: no step is trained twice in the model's history
-or skipped, and metrics.jsonl has one row per step.
+How a run continues from a checkpoint (``--resume``, every role) is :mod:`i3core.loop.resume`; this module
+holds the files.
 """
 
 import json
@@ -72,25 +67,6 @@ def latest(root: Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def resume_step(out: Path) -> int:
-    """The step ``--resume`` continues from: the newest complete checkpoint of the run in ``out``."""
-    step = latest(out / "checkpoints")
-    if step is None:
-        raise I3Error(f"nothing to resume: no complete checkpoint under {out / 'checkpoints'} "
-                      "(run without --resume to start; set trainer.checkpoint_every to write them)")
-    return step
-
-
-def refuse_fresh_start_over(out: Path) -> None:
-    """A run without ``--resume`` must not append to, or overwrite, an earlier run's steps in ``out``."""
-    metrics = out / "metrics.jsonl"
-    steps = complete_steps(out / "checkpoints")
-    if steps or (metrics.exists() and metrics.stat().st_size):
-        held = f"checkpoint step_{steps[-1]}" if steps else "metrics.jsonl"
-        raise I3Error(f"{out} holds an earlier run ({held}): continue it with --resume, or set another "
-                      "run.output_dir (or delete that directory)")
-
-
 def clear_staging(root: Path) -> None:
     """Remove checkpoints a crash left half-written (``.step_N.tmp``)."""
     if root.is_dir():
@@ -118,17 +94,21 @@ def drop_after(directory: Path, step: int) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the rows of ``path`` (metrics.jsonl) up to ``step``; later ones are trained again after a resume."""
+    """Keep the rows of ``path`` (metrics.jsonl) up to ``step``; later ones are trained again after a resume.
+    The file is rewritten only when a row goes (a sink may hold it open for appending)."""
     if not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    for line in lines:
         try:
             row_step = json.loads(line).get("step")
         except (json.JSONDecodeError, AttributeError):
             continue  # a line cut short by the crash
         if isinstance(row_step, int) and row_step <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
+    if kept == lines:
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)

@@ -165,6 +165,8 @@ class Orchestrator:
     """The state saved with the checkpoint a resumed run continues from (:mod:`i3core.loop.checkpoint`)."""
     model: Any = None
     """The ``[model]`` component: batches are packed as prefix trees if it trains them (``prefix_trees``)."""
+    before_cut: Any = None
+    """Called before each batch is written; raises to stop the run (a role following its trainer's attempt)."""
 
     def __post_init__(self):
         self.share_prompts = bool(getattr(self.model, "prefix_trees", False) and self.config.trainer.share_prompts)
@@ -447,6 +449,8 @@ class Orchestrator:
             assign_advantages(group.rollouts)
         batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len, self.share_prompts)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
+        if self.before_cut is not None:
+            self.before_cut()
         self.ledger.trained += len(rollouts)
         for rollout in rollouts:
             self._log(rollout, rollout_log.TRAINED)

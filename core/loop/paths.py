@@ -4,6 +4,10 @@ from pathlib import Path
 
 STOP = "STOP"
 """Written by the orchestrator under the run directory when the trainer should finish."""
+ATTEMPT = "ATTEMPT.json"
+"""The trainer's marker of its attempt: its id and the version it started from (:mod:`i3core.loop.resume`)."""
+RESTART = "RESTART"
+"""Written by a restarted orchestrator: the trainer checkpoints and exits to start a new attempt."""
 
 
 class RunPaths:
@@ -31,6 +35,12 @@ class RunPaths:
 
     def stop(self) -> Path:
         return self.out / STOP
+
+    def attempt(self) -> Path:
+        return self.out / ATTEMPT
+
+    def restart(self) -> Path:
+        return self.out / RESTART
 
     def request_stop(self) -> None:
         """Tell the trainer to finish. On a full disk the file may not be creatable: the trainer also stops

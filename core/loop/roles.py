@@ -14,6 +14,11 @@ meet in the run's ``output_dir`` on a filesystem every node mounts:
   the servers it is given (``--servers URL ...``), writes the batches and the
   metrics, and tells the servers to load each new version by its path.
 
+With ``--resume`` (what the Slurm and Kubernetes templates start) each role
+continues the run instead (:mod:`i3core.loop.resume`): the trainer from the
+newest complete checkpoint, the servers and the orchestrator from the step of
+the trainer's attempt marker instead of version 0.
+
 Only the ``filesystem`` weight sync works across machines this way (the
 ``broadcast`` group is hosted by ``i3core run``). The orchestrator role keeps
 the ``[sandbox]`` pool like ``i3core run`` does. The orchestrator cannot see the trainer process:
@@ -28,8 +33,9 @@ import time
 import structlog
 
 from i3core.config import RunConfig
-from i3core.errors import I3Error
+from i3core.errors import I3Error, ServerError
 from i3core.manager import Plugins
+from i3core.loop import resume as resume_path
 from i3core.loop.paths import RunPaths
 
 log = structlog.get_logger("i3core.roles")
@@ -61,8 +67,9 @@ def wait_for_version_0(sync, paths: RunPaths, timeout_s: float = VERSION_0_TIMEO
         time.sleep(POLL_S)
 
 
-def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
-    """Become inference server ``index`` on ``host:port`` once version 0 exists (replaces this process)."""
+def serve(config: RunConfig, index: int, port: int, host: str | None, resume: bool = False) -> int:
+    """Become inference server ``index`` on ``host:port`` once version 0 exists, or with ``resume`` the version
+    the trainer's attempt started from (replaces this process)."""
     spec = config.get("inference")
     if spec is None:
         raise I3Error("the inference role needs an [inference] section")
@@ -73,58 +80,125 @@ def serve(config: RunConfig, index: int, port: int, host: str | None) -> int:
     source = spec.build()
     sync = _filesystem_sync(config)
     paths = RunPaths(config.run.out)
-    log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
-    wait_for_version_0(sync, paths)
+    version = _first_version(sync, paths, resume)
     probe = getattr(source, "check", None)  # vllm: the interpreter imports vllm and i3core
     if callable(probe):
         probe()
     model = config.get("model")
     model = None if model is None else model.to_dict()
-    first = sync.location(paths.broadcasts, 0)
-    cmd = source.command(index, port, first, 0, None, model)
-    env = source.environment(index, 0, None, first, model) or dict(os.environ)
-    log.info("starting inference server", index=index, command=" ".join(cmd))
+    first = sync.location(paths.broadcasts, version)
+    cmd = source.command(index, port, first, version, None, model)
+    env = source.environment(index, version, None, first, model) or dict(os.environ)
+    log.info("starting inference server", index=index, version=version, command=" ".join(cmd))
     os.execvpe(cmd[0], cmd, env)
 
 
-def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str]) -> int:
-    """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop."""
+def _first_version(sync, paths: RunPaths, resume: bool) -> int:
+    """The version a role starts from: 0, or with ``resume`` the step of the trainer's attempt marker."""
+    if resume:
+        return resume_path.wait_for_attempt(paths).step
+    log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
+    wait_for_version_0(sync, paths)
+    return 0
+
+
+def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bool = False) -> int:
+    """Run the orchestrator against ``urls`` until the last step's metrics; then tell the trainer to stop.
+
+    With ``resume``: from the state saved with the checkpoint the trainer's attempt started from, following the
+    trainer (:mod:`i3core.loop.resume`): exits with ``RESTART_EXIT`` when the trainer starts a new attempt, and
+    asks for one when the trainer went on past its attempt's step without this orchestrator."""
     from i3core.loop.orchestrator import ClientSlot, Orchestrator
     from i3core.loop.run import _plot, build, lifecycle, stop_strings, stop_token_ids
 
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
         raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
-    _filesystem_sync(config)
+    sync = _filesystem_sync(config)
     spec = config.get("inference")
     if not starts_servers(spec):
         raise I3Error(f"inference {spec.name!r} runs no servers for the orchestrator role to drive; roles on "
                       'separate machines need [inference] use = "builtin" or "vllm"')
+    paths = RunPaths(config.run.out)
+    attempt, start = None, None
+    if resume:  # before build(): the run's files are the trainer's to rewind until its marker is there
+        attempt = resume_path.wait_for_attempt(paths)
+        if resume_path.trained_past(paths, attempt.step):
+            log.warning("the trainer went on without this orchestrator: asking it for a new attempt",
+                        attempt=attempt.attempt, step=attempt.step)
+            resume_path.request_restart(paths)
+            attempt = resume_path.wait_for_attempt(paths, after=attempt)
+        start = resume_path.orchestrator_state(config.run.out, attempt.step)
     run = build(config, plugins)
-    paths = RunPaths(run.output_dir)
     paths.make()
 
     def finish() -> None:  # as `i3core run` does before its lifecycle ends: the trainer told to stop, the plots
-        paths.request_stop()
+        if attempt is None or resume_path.changed_attempt(paths, attempt) is None:  # not a trainer to follow
+            paths.request_stop()
         _plot(run.output_dir)
 
     with lifecycle(run, before_end=finish):
         sync, source = run.components["weight_sync"], run.components["inference"]
-        log.info("waiting for version 0", broadcasts=str(paths.broadcasts))
-        wait_for_version_0(sync, paths)
+        if not resume:
+            _first_version(sync, paths, resume=False)
         model, env = run.components["model"], run.components["env"]
         tokenizer = model.tokenizer()
         stop_ids, stop = stop_token_ids(model, env), stop_strings(env)
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids, stop), url) for url in urls]
         orchestrator = Orchestrator(config, plugins, env, run.components["scheduler"], sync, clients, run.sinks,
-                                    sandbox_backend=run.components.get("sandbox"), model=model)
+                                    sandbox_backend=run.components.get("sandbox"), model=model, resume=start,
+                                    before_cut=None if attempt is None else lambda: _still(paths, attempt))
 
         async def drive():
             try:
-                await orchestrator.run()
+                if attempt is None:
+                    await orchestrator.run()
+                    return
+                await _serve_version(clients, orchestrator, attempt.step)
+                await _following(orchestrator.run(), paths, attempt)
             finally:
                 for slot in clients:
                     await slot.client.close()
 
         asyncio.run(drive())
     return 0
+
+
+class TrainerRestarted(I3Error):
+    """The trainer started a new attempt under this orchestrator: restart it with --resume to follow."""
+
+    exit_code = resume_path.RESTART_EXIT
+
+
+def _still(paths: RunPaths, attempt) -> None:
+    """:raises TrainerRestarted: the trainer started another attempt than ``attempt``."""
+    newer = resume_path.changed_attempt(paths, attempt)
+    if newer is not None:
+        raise TrainerRestarted(f"the trainer started attempt {newer.attempt}: restart the orchestrator with "
+                               f"--resume to follow it (exit {resume_path.RESTART_EXIT})")
+
+
+async def _following(main, paths: RunPaths, attempt) -> None:
+    """Run ``main`` (the orchestrator) while the trainer's attempt stays ``attempt``."""
+    task = asyncio.ensure_future(main)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=resume_path.POLL_S)
+            if not task.done():
+                _still(paths, attempt)
+        task.result()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _serve_version(clients, orchestrator, version: int) -> None:
+    """Servers that outlived an earlier attempt may serve a newer version, since undone: bring them to
+    ``version``. A server that does not answer is left to the orchestrator's pool (marked down, re-probed)."""
+    path = orchestrator._weights_path(version)
+    for slot in clients:
+        try:
+            if (await slot.client.health()).get("version") != version:
+                await slot.client.update_weights(path, version)
+        except ServerError as exc:  # not up yet: a server started now loads the version itself
+            log.info("a server does not answer yet", url=slot.url, error=str(exc))

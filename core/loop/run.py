@@ -10,7 +10,6 @@ what is missing.
 import asyncio
 import errno
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from i3core.loop import checkpoint
+from i3core.loop import resume as resume_path
 from i3core.loop.checkpoint import OrchestratorState
 from i3core.config import TRAINING_SECTIONS, RunConfig, with_defaults
 from i3core.errors import I3Error
@@ -96,17 +95,19 @@ def build(config: RunConfig, plugins: Plugins) -> Run:
 def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
     """Run to the end; the lifecycle hooks fire even when the run fails or is interrupted.
 
-    :param resume: continue the run in ``output_dir`` from its newest complete checkpoint (:mod:`i3core.loop.checkpoint`).
+    :param resume: continue the run in ``output_dir`` from its newest complete checkpoint (:mod:`i3core.loop.resume`).
     :return: the process exit code.
     """
     config = with_defaults(config, plugins)
     trains = all(config.get(s) is not None for s in TRAINING_SECTIONS)
-    start = prepare_resume(config) if resume and trains else None
     if resume and not trains:
         raise I3Error("--resume continues a training run; this config has no " +
                       ", ".join(f"[{s}]" for s in TRAINING_SECTIONS if config.get(s) is None))
-    if not resume and trains:
-        checkpoint.refuse_fresh_start_over(config.run.out)
+    start = None
+    if resume:  # decided, checked and rewound before anything opens the run's files
+        start = resume_path.orchestrator_state(config.run.out, resume_path.prepare(config, required=True))
+    elif trains:
+        resume_path.refuse_fresh_start_over(config.run.out)
     run = build(config, plugins)
     with lifecycle(run):
         missing = [s for s in TRAINING_SECTIONS if s not in config.components]
@@ -145,83 +146,6 @@ def lifecycle(run: Run, before_end: Callable[[], None] | None = None) -> Iterato
         run.plugins.hook.i3_on_run_end(config=run.config, status=status)
         run.close()
         log.info("run ended", status=status, output_dir=str(run.output_dir))
-
-
-RESUME_FIXED = ("model", "trainer", "optimizer", "loss", "env", "scheduler", "weight_sync")
-"""Sections a resumed run must keep as the run started with them (their state or the data order depend on them)."""
-RESUME_FREE = {"trainer": {"checkpoint_every", "keep_checkpoints", "threads"}}
-"""Keys of those sections that may change on resume."""
-
-
-def prepare_resume(config: RunConfig) -> OrchestratorState:
-    """Find the checkpoint to continue from and undo what the run did after it (batches, weight versions, metric
-    rows of later steps), before anything opens the run's files; the orchestrator's state saved with it."""
-    out = config.run.out
-    step = checkpoint.resume_step(out)
-    directory = checkpoint.checkpoint_dir(out / "checkpoints", step)
-    _check_resumable(config, out / "config.resolved.json")
-    if step >= config.run.max_steps:
-        raise I3Error(f"checkpoint step_{step} is already at run.max_steps = {config.run.max_steps}: nothing to "
-                      "resume (raise run.max_steps to train on)")
-    if not (directory / checkpoint.ORCHESTRATOR).exists():
-        raise I3Error(f"checkpoint step_{step} has no orchestrator state (the trainer ran without `i3core run`): "
-                      "it cannot resume a run")
-    state = checkpoint.OrchestratorState.load(directory / checkpoint.ORCHESTRATOR)
-    paths = RunPaths(out)
-    for folder in (paths.orchestrator, paths.trainer, paths.batches, paths.rollouts):
-        checkpoint.drop_after(folder, step)
-    # Version N too: the resumed trainer publishes it again, and nothing may load the old copy meanwhile.
-    checkpoint.drop_after(paths.broadcasts, step - 1)
-    checkpoint.truncate_metrics(out / "metrics.jsonl", step)
-    _restore_missing_rows(paths, out / "metrics.jsonl", step)
-    return state
-
-
-def _restore_missing_rows(paths: RunPaths, metrics: Path, step: int) -> None:
-    """Rows of steps up to the checkpoint that never reached metrics.jsonl (the run died, or the disk filled,
-    between the trainer's checkpoint and the orchestrator's row) are rebuilt from what both roles saved for
-    that step: the batch's metrics and ledger (orchestrator/step_K.json, nothing in flight) and the trainer's
-    metrics (trainer/step_K.json). A step with neither file stays missing, with a warning."""
-    from i3core.loop.orchestrator import Ledger
-
-    present = set()
-    if metrics.exists():
-        present = {json.loads(line)["step"] for line in metrics.read_text().splitlines()}
-    rows = []
-    for missing in (k for k in range(1, step + 1) if k not in present):
-        try:
-            state = OrchestratorState.load(paths.orchestrator_state(missing))
-            trained = json.loads(paths.trainer_metrics(missing).read_text())
-        except (I3Error, OSError, ValueError) as exc:
-            log.warning("a metrics row cannot be rebuilt", step=missing, reason=str(exc))
-            continue
-        ledger = Ledger.resumed(state.ledger).metrics(in_flight=0)
-        row = {**state.batch_metrics, **trained, **ledger, "weights/version": missing, "resume/rebuilt_row": 1}
-        rows.append({"step": missing, **{k: None if isinstance(v, float) and not math.isfinite(v) else v
-                                         for k, v in row.items()}})  # as the jsonl sink writes them
-    if rows:
-        log.warning("metrics rows rebuilt from the saved step states", steps=[r["step"] for r in rows])
-        with open(metrics, "a", encoding="utf-8") as file:
-            file.writelines(json.dumps(row) + "\n" for row in rows)
-
-
-def _check_resumable(config: RunConfig, saved: Path) -> None:
-    """The sections of :data:`RESUME_FIXED` and ``run.seed`` as the run started; ``run.max_steps`` only with a
-    constant learning rate after warm-up (a decay's horizon is ``max_steps``)."""
-    if not saved.exists():
-        return
-    before, now = json.loads(saved.read_text()), config.to_dict()
-    changed = [f"run.{k}" for k in ("seed",) if before.get("run", {}).get(k) != now.get("run", {}).get(k)]
-    for section in RESUME_FIXED:
-        old, new = before.get(section) or {}, now.get(section) or {}
-        free = RESUME_FREE.get(section, set())
-        changed += [f"{section}.{k}" for k in sorted({*old, *new} - free) if old.get(k) != new.get(k)]
-    if changed:
-        raise I3Error("--resume continues the run as it was started; changed: " + ", ".join(changed))
-    decay = now.get("trainer", {}).get("lr_decay", "constant")
-    if decay != "constant" and before.get("run", {}).get("max_steps") != config.run.max_steps:
-        raise I3Error(f"run.max_steps cannot change on resume with trainer.lr_decay = {decay!r} (the decay ends at "
-                      "max_steps); keep it, or start a new run")
 
 
 def train(run: Run, start: OrchestratorState | None = None) -> None:

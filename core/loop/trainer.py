@@ -17,7 +17,10 @@ Before RL, an optional SFT warm start trains cross-entropy on the
 environment's demonstrations with the same model, packing and publishing;
 its result is published as version 0, the policy the servers start from.
 
-Run: ``torchrun --standalone --nproc-per-node 1 -m i3core.loop.trainer plugins.toml``.
+Run: ``torchrun --standalone --nproc-per-node 1 -m i3core.loop.trainer plugins.toml``; with ``--resume`` it
+continues the run from its newest complete checkpoint, or starts it over when there is none
+(:mod:`i3core.loop.resume`). SIGTERM (a scheduler's time limit or preemption): the trainer finishes the step
+it is in, checkpoints it and exits with 143; a restarted orchestrator's RESTART file: the same, exit 75.
 """
 
 import argparse
@@ -27,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as recompute
 
-from i3core.loop import checkpoint
+from i3core.loop import checkpoint, resume
 from i3core.config import RunConfig, load_config, with_defaults
 from i3core.errors import I3Error
 from i3core.files import atomic_write_bytes, disk_full, write_torch
@@ -47,6 +51,8 @@ from i3core.loop.paths import RunPaths
 from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
+SIGTERM_EXIT = 128 + signal.SIGTERM
+"""The trainer stopped on SIGTERM after checkpointing its last step (the scheduler requeues the job)."""
 STOCHASTIC_ATTRS = re.compile(r"dropout|drop_?prob|pdrop|layerdrop|jitter", re.IGNORECASE)
 """Float attributes of a module that make training random (transformers' ``attention_dropout``, OPT's ``dropout``
 and ``layerdrop``, Mixtral's ``jitter_noise``, ...): their forwards apply them only in train mode."""
@@ -175,8 +181,13 @@ class Trainer:
     ``world``-th row of a batch, and the loss is scaled by ``world`` because FSDP2 averages gradients over ranks
     while the loss is already normalised by the global token count."""
 
-    def __init__(self, config: RunConfig, resume_step: int | None = None):
+    def __init__(self, config: RunConfig, resume_step: int | None = None, rewind: bool = False):
+        """:param resume_step: the checkpoint to continue from; :param rewind: undo what the run did after it (after
+        step 0 with no checkpoint) before the first version goes out (:func:`i3core.loop.resume.rewind`)."""
         self.config = config
+        self.rewind = rewind
+        self.stopping: str | None = None
+        """Why the trainer stops after the step it is in: "SIGTERM", or "restart" (a restarted orchestrator)."""
         self.paths = RunPaths(config.run.out)
         self.model_component = config.get("model").build()
         self.weight_sync = config.get("weight_sync").build()
@@ -274,6 +285,8 @@ class Trainer:
                                       weight_decay=0.0)
         started = time.perf_counter()
         for step in range(1, cfg.steps + 1):
+            if not self._all_ok(self.stopping is None):
+                raise Stopped(f"{self.stopping} during the SFT warm start: nothing to checkpoint yet", SIGTERM_EXIT)
             samples = []
             for prompt, answer in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
                 n = len(prompt) + len(answer)
@@ -297,12 +310,19 @@ class Trainer:
     # -- RL ------------------------------------------------------------------
 
     def wait_for_batch(self, step: int) -> TrainBatch | None:
+        """The batch of ``step``; None when the trainer is to stop first (STOP, its run gone, SIGTERM, RESTART)."""
         path = self.paths.batch(step)
         while not path.exists():
-            if self.paths.stop().exists() or run_gone():  # a killed run cannot write the stop file
+            if self.paths.restart().exists():
+                self.stopping = self.stopping or "restart"
+            if self.stopping or self.paths.stop().exists() or run_gone():  # a killed run cannot write STOP
                 return None
             time.sleep(BATCH_POLL_S)
         return torch.load(path, weights_only=False)
+
+    def on_sigterm(self, signum, frame) -> None:
+        """A scheduler's notice (time limit, preemption): stop after the step in progress, checkpointed."""
+        self.stopping = "SIGTERM"
 
     def train_step(self, batch: TrainBatch, loss_fn, optimizer, version: int) -> dict[str, float]:
         """One optimizer step on ``batch``; the weights being trained are policy ``version``."""
@@ -468,7 +488,11 @@ class Trainer:
         self.paths.make()
         start = self.resume_step or 0
         if self.rank == 0:
+            if self.rewind:
+                resume.claim(self.paths)
+                resume.rewind(self.config.run.out, start)
             checkpoint.clear_staging(self.paths.checkpoints)
+        self._all_ok(True)  # no rank looks for a batch before the rewind
         if self.config.sft.steps and self.resume_step is None:
             self.sft()
         # Everything the first step needs is ready before the first version goes out: the orchestrator starts
@@ -480,11 +504,13 @@ class Trainer:
             self._resume_optimizer(optimizer, schedule)
         peak = matmul_peak_flops(self.device)
         self.publish(start, initial=True)
+        if self.rank == 0:
+            resume.announce(self.paths, start)
         every = self.config.trainer.checkpoint_every
         last = start
         for step in range(start + 1, self.config.run.max_steps + 1):
             batch = self.wait_for_batch(step)
-            if batch is None:
+            if not self._all_ok(batch is not None):  # every rank stops at the same step
                 break
             start_time = time.perf_counter()
             metrics = self.train_step(batch, loss_fn, optimizer, version=step - 1)
@@ -499,6 +525,8 @@ class Trainer:
             last = step
             if every and step % every == 0:
                 self.checkpoint(step, optimizer, schedule)
+            if not self._all_ok(self.stopping is None):
+                break
         if last > start and not (every and last % every == 0):
             self.checkpoint(last, optimizer, schedule)
 
@@ -524,7 +552,8 @@ def main(argv=None) -> int:
     parser.add_argument("config", type=Path, help="plugins.toml or a run's config.resolved.json")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="STEP",
-                        help="continue from checkpoint STEP of the run's output_dir (default: the newest complete one)")
+                        help="continue from checkpoint STEP of the run's output_dir (default: the newest complete "
+                        "one; with none, the run starts over), undoing what the run did after it")
     args = parser.parse_args(argv)
     config = None
     try:
@@ -536,12 +565,22 @@ def main(argv=None) -> int:
         torch.set_num_threads(config.trainer.threads)
         if "RANK" in os.environ and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        resume = None
+        step = None
         if args.resume is not None:
-            resume = checkpoint.resume_step(config.run.out) if args.resume == "latest" else _step_arg(args.resume)
-        Trainer(config, resume_step=resume).run()
+            step = resume.start_step(config.run.out, required=False) if args.resume == "latest" \
+                else _step_arg(args.resume)
+            if step is not None:
+                resume.check_unchanged(config)
+        trainer = Trainer(config, resume_step=step, rewind=args.resume is not None)
+        signal.signal(signal.SIGTERM, trainer.on_sigterm)
+        trainer.run()
         if dist.is_initialized():  # every rank done (rank 0 renames the last checkpoint) before any tears down
             dist.barrier()
+        if trainer.stopping is not None:
+            last = checkpoint.latest(trainer.paths.checkpoints)
+            kept = f"checkpoint step_{last} written" if last is not None else "no checkpoint yet"
+            raise Stopped(f"stopped on {trainer.stopping}: {kept}; continue with --resume",
+                          SIGTERM_EXIT if trainer.stopping == "SIGTERM" else resume.RESTART_EXIT)
         return 0
     except I3Error as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -554,6 +593,14 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+class Stopped(I3Error):
+    """The trainer stopped before the run's end on request (SIGTERM, a restart): its exit code says which."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 def _step_arg(text: str) -> int:
     if not text.isdigit():
