@@ -10,11 +10,12 @@ The same objective on both sides: the same prompts in the same order (the orches
 dataset shuffled by ``random.Random(run.seed)``), the same reward (the env's ``score`` of the same text:
 i3core's :func:`i3core.text.completion_text` of TRL's ``completion_ids``, not TRL's own ``skip_special_tokens``
 text), the same stops (i3core's end ids and the env's stop text, which TRL, stopping on tokens only, gets as its
-tokens; set again after TRL builds its generation config, which adds the tokenizer's eos), group size (``num_generations``), batch (8 prompts x 8), AdamW (same lr, betas, eps,
+tokens; set again after TRL builds its generation config, which adds the tokenizer's eos), group size
+(``num_generations``), batch (8 prompts x 8), AdamW (same lr, betas, eps,
 no weight decay, clipping at 1.0), temperature 1, no KL (``beta = 0``), rewards not divided by their std
 (``scale_rewards = "none"``), a token-level loss normaliser (``loss_type = "dapo"``, as i3core's
 ``num_loss_tokens``), no router auxiliary loss (``router_aux_loss_coef = 0``; i3core trains without one) and
-dropout off (``disable_dropout``; i3core's model has none). Completion lengths are logged per step on both sides
+dropout off (TRL's ``disable_dropout``, i3core's ``[trainer] disable_dropout``, its default). Completion lengths are logged per step on both sides
 (i3core's ``completion/mean_tokens``, TRL's ``completions/mean_length``, both counting the stop token) and
 compared. How they differ by design: i3core is asynchronous (up to ``max_async`` steps off policy, IcePop-masked),
 TRL is synchronous and on policy; i3core's trainer computes each prompt once per group (prefix trees), TRL's once
@@ -560,12 +561,14 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml", help="i3core run config")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--steps", type=int, default=None, help="RL steps per side (default: the scenario's)")
-    parser.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="comma-separated run.seed values, each run by both sides")
+    parser.add_argument("--seeds", default="0,1,2,3,4,5,6,7",
+                        help="comma-separated run.seed values, each run by both sides")
     parser.add_argument("--inference", choices=("local", "builtin"), default="local",
                         help="i3core's engine: in the orchestrator's process (local, the quickstart's) or two servers")
     parser.add_argument("--trl", default="search", metavar="GENERATION:THREADS",
-                        help="TRL's setting: 'search' (default: every TRL_GENERATIONS path x TRL_THREADS on the first "
-                             "seed, the fastest for all) or one, e.g. 'generate:2' (" + ", ".join(TRL_GENERATIONS) + ")")
+                        help="TRL's setting: 'search' (default: every TRL_GENERATIONS path x TRL_THREADS on the "
+                             "first seed, the fastest for all) or one, e.g. 'generate:2' ("
+                             + ", ".join(TRL_GENERATIONS) + ")")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="extra i3core override section.key=value (both scenarios)")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
@@ -580,6 +583,9 @@ def main() -> None:
             parser.error(f"--trl {args.trl!r}: 'search' or GENERATION:THREADS with GENERATION one of "
                          + ", ".join(TRL_GENERATIONS))
         fixed = {"chosen": {"generation": generation, "threads": int(threads)}, "tried": []}
+    unknown = [name for name in args.scenarios.split(",") if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
     seeds = [int(s) for s in args.seeds.split(",")]
     result = {"load_avg_start": os.getloadavg()[0], "seeds": seeds, "inference": args.inference}
     for name in args.scenarios.split(","):
