@@ -9,6 +9,7 @@ end of its weight sync, :func:`connect_receiver`: plugins of the two kinds meet 
 """
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -111,6 +112,25 @@ def read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"{file}: {exc}") from None
     return tensors
+
+
+class MaxLenTooLong(I3Error):
+    """A server asked to hold more tokens than its model has positions for (as vLLM, refused at start-up)."""
+
+    exit_code = 2
+
+
+def check_max_len(model_dir: Path, max_len: int) -> None:
+    """:raises MaxLenTooLong: ``max_len`` above the ``max_position_embeddings`` of ``model_dir``'s
+    ``config.json`` (a model without one is not checked)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the model component reports a missing or broken config itself
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(positions, int) and max_len > positions:
+        raise MaxLenTooLong(f"--max-len {max_len} exceeds the model's max_position_embeddings ({positions}) in "
+                            f"{Path(model_dir) / 'config.json'}: give --max-len {positions} or less")
 
 
 def connect_receiver(spec: dict, rank: int, plugins=None) -> WeightReceiver:

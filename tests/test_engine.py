@@ -1,8 +1,11 @@
 """The builtin engine: KV-cache generation that matches the trainer, continuous batching, in-flight updates."""
 
+import math
+
+import pytest
 import torch
 
-from i3core.plugins.inference.engine import Engine, Request, _truncate, sample
+from i3core.plugins.inference.engine import Engine, Request, Sequence, _truncate, process_logits, sample
 from i3core.testing import make_component
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
@@ -199,3 +202,67 @@ def test_sequences_in_scattered_slots_keep_exact_logprobs(builtins):
     for seq in seqs + late:
         ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)
         assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4
+
+
+def test_prompt_logprobs_come_from_the_prefill_and_match_a_full_forward(builtins):
+    net = model(builtins)
+    engine = Engine(net, max_slots=4, max_len=64)
+    prompt = [5, 9, 2, 7, 7, 3]
+    asked = [engine.add(Request(prompt, max_tokens=3, seed=i, prompt_logprobs=2)) for i in range(2)]  # shared
+    alone = engine.add(Request([4, 4, 1], max_tokens=0, prompt_logprobs=0))
+    plain = engine.add(Request(prompt, max_tokens=2, seed=5))
+    finished = run_all(engine)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        full = torch.log_softmax(net.logits(net(ids)).float(), dim=-1)[0]
+    reference = [full[i - 1, tok].item() for i, tok in enumerate(prompt) if i]
+    for seq in asked:
+        assert seq.prompt_logprobs[0] is None and seq.prompt_top_logprobs[0] == []
+        assert seq.prompt_logprobs[1:] == [pytest.approx(r, abs=1e-4) for r in reference]
+        best = full[:-1].topk(2, dim=-1)
+        assert [[t for t, _ in top] for top in seq.prompt_top_logprobs[1:]] == best.indices.tolist()
+    assert alone.token_ids == [] and alone.finish_reason == "length" and alone in finished
+    assert len(alone.prompt_logprobs) == 3 and all(top == [] for top in alone.prompt_top_logprobs)
+    assert plain.prompt_logprobs == [] and len(plain.token_ids) == 2
+    assert not engine.running and sorted(engine._free) == list(range(4))  # every slot back
+
+
+def test_logits_processors_follow_their_definitions_over_a_batch(builtins):
+    torch.manual_seed(0)
+    vocab = 12
+    logits = torch.randn(4, vocab) * 3
+
+    def seq(prompt, out, **settings):
+        return Sequence(0, Request(prompt, 10, **settings), token_ids=list(out))
+
+    seqs = [
+        seq([1, 2], [3, 3, 4], presence_penalty=0.5, frequency_penalty=0.25),
+        seq([1, 2], [3], repetition_penalty=2.0),
+        seq([1], [], logit_bias={5: 7.0, 6: -100.0}, min_tokens=2, stop_token_ids=(0, 11)),
+        seq([1], [2]),  # no processor: untouched
+    ]
+    out = process_logits(logits, seqs)
+    expected = logits.clone()
+    expected[0, 3] -= 2 * 0.25 + 0.5
+    expected[0, 4] -= 0.25 + 0.5
+    for token in (1, 2, 3):
+        value = logits[1, token]
+        expected[1, token] = value / 2 if value > 0 else value * 2
+    expected[2, 5] += 7.0
+    expected[2, 6] -= 100.0
+    expected[2, [0, 11]] = -math.inf
+    assert torch.equal(out, expected)
+    seqs[2].token_ids = [4, 4]  # min_tokens reached: the stop tokens are back
+    assert torch.isfinite(process_logits(logits, seqs)[2]).all()
+
+
+def test_min_tokens_and_logit_bias_steer_the_engine(builtins):
+    engine = Engine(model(builtins), max_slots=4, max_len=64)
+    greedy = engine.add(Request([1, 2, 3], max_tokens=4, temperature=0))
+    run_all(engine)
+    first = greedy.token_ids[0]
+    held = engine.add(Request([1, 2, 3], max_tokens=4, temperature=0, stop_token_ids=(first,), min_tokens=2))
+    forced = engine.add(Request([1, 2, 3], max_tokens=3, temperature=1.0, seed=1, logit_bias={9: 100.0}))
+    run_all(engine)
+    assert held.token_ids[0] != first and len(held.token_ids) >= 2
+    assert forced.token_ids == [9, 9, 9] and forced.logprobs == pytest.approx([0.0] * 3, abs=1e-4)

@@ -459,6 +459,17 @@ def test_i3core_run_trains_an_hf_model_with_matching_logprobs(made, architecture
     assert rows[0]["mismatch/same_version_tokens"] > 0
     assert rows[0]["mismatch/same_version_abs_diff"] < 1e-4
     assert 0 < rows[0]["perf/mfu"] < 1
+    # the rollouts on disk: the text reverse-text scored never holds its stop text ("\n", which this BPE merges
+    # with its neighbours), and a completion cut short of it says "length"
+    tokenizer = component(made(architecture)).tokenizer()
+    lines = [json.loads(line) for path in (tmp_path / "run" / "rollouts").glob("step_*.jsonl")
+             for line in path.read_text().splitlines()]
+    assert sum(line["outcome"] == "trained" for line in lines) == 3 * 16
+    for line in lines:
+        assert "\n" not in line["completion"] and line["finish_reason"] in ("stop", "length"), line
+        ends = tokenizer.decode(line["completion_ids"], skip_special_tokens=False)
+        if line["finish_reason"] == "stop":  # the stop text, or the end of the text, came last
+            assert "\n" in ends or "<|im_end|>" in ends, line
 
 
 @pytest.mark.slow

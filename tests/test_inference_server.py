@@ -79,7 +79,7 @@ def test_completion_logprobs_match_the_trainer_forward(served):
         ({"prompt": [1, 99999]}, "prompt token ids must be in"),
         ({"prompt": [1], "temperature": -1}, "temperature must be"),
         ({"prompt": [1], "n": 1000}, "n must be an integer"),
-        ({"prompt": list(range(250)) * 3}, "this server holds at most"),
+        ({"prompt": list(range(250)) * 3}, "maximum context length is 512 tokens"),
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(served, payload, message):
@@ -189,7 +189,11 @@ MALFORMED = [
     ("POST", "/v1/completions", b'{"prompt": [1], "n": true}', 400, "n must be an integer"),
     ("POST", "/v1/completions", b'{"prompt": [1], "max_tokns": 4}', 400,
      "unknown field 'max_tokns' (did you mean 'max_tokens'?)"),
-    ("POST", "/v1/completions", b'{"prompt": [1], "logit_bias": {"5": 10}}', 400, "logit_bias is not supported"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "logit_bias": {"x": 10}}', 400, "logit_bias must map token ids"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "logit_bias": {"99999999": 10}}', 400, "logit_bias token ids"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": 0}', 400, "max_tokens must be an integer in [1,"),
+    ("POST", "/v1/completions", b'{"prompt": [1], "max_tokens": 2, "min_tokens": 3}', 400, "min_tokens (3) must be"),
+    ("POST", "/v1/completions", b'{"prompt": [[1], "a", 3]}', 400, "prompt must be"),
     ("POST", "/v1/completions", b'{"prompt": [1], "top_p": 0}', 400, "top_p must be a finite number in (0, 1]"),
     ("POST", "/v1/completions", b'{"prompt": [1], "stop": [""]}', 400, "stop must be a non-empty string"),
     ("POST", "/v1/completions", b'{"prompt": [1], "stream_options": {"include_usage": true}}', 400,

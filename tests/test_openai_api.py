@@ -21,9 +21,9 @@ from torch import nn
 from i3core import hookimpl
 from i3core.plugins.inference.server import builtin_server, make_app, model_component
 from i3core.plugins.models.tiny_moe import TinyMoE
-from i3core.testing import plugin_manager
+from i3core.testing import make_component, plugin_manager
 
-from .conftest import ADMIN_TOKEN, i3core_serve
+from .conftest import ADMIN_TOKEN, SERVED_MODEL, i3core_serve
 
 NAME = "tiny-served"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Reverse 'abc'."}]
@@ -158,10 +158,116 @@ def test_sixteen_concurrent_streamed_chats(served):
     assert streams == wholes
 
 
+def _scored_by_the_weights(directory, prompt_ids):
+    """Each prompt token's logprob given those before it, from one forward of the served weights."""
+    component = make_component("model", "tiny-moe", **SERVED_MODEL)
+    net = component.load_hf(directory).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(net.logits(net(torch.tensor([prompt_ids]))).float(), dim=-1)[0]
+    return [logprobs[i - 1, token].item() for i, token in enumerate(prompt_ids) if i]
+
+
+def _without_first_prompt_token(data: dict) -> dict:
+    """``data`` with each choice's first echoed token left out of its logprobs: OpenAI's types say float, not null."""
+    data = json.loads(json.dumps(data))
+    for choice in data["choices"]:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            choice["logprobs"][key] = choice["logprobs"][key][1:]
+    return data
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(client, served, builtin):
+    prompt = [97, 98, 99, 100, 101, 33, 32]
+    reference = _scored_by_the_weights(served[1], prompt)
+    raw = client.completions.with_raw_response.create(model=NAME, prompt=prompt, max_tokens=0, echo=True,
+                                                      logprobs=1, temperature=0)  # what lm-eval's loglikelihood sends
+    data = json.loads(raw.text)
+    Completion.model_validate(_without_first_prompt_token(data), strict=True)
+    (choice,) = data["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # OpenAI's, vLLM's
+    assert logprobs["token_logprobs"][1:] == [pytest.approx(r, abs=2e-4) for r in reference]
+    assert len(logprobs["tokens"]) == len(prompt) and choice["finish_reason"] == "length"
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert not builtin or data["usage"]["completion_tokens"] == 0  # (vLLM counts 1)
+    assert all(len(top) in ((1,) if builtin else (1, 2)) and max(top.values()) >= lp - 1e-6  # vLLM adds the token
+               for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
+    one = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    (choice,) = one.choices
+    assert choice.logprobs.token_logprobs[1:len(prompt)] == [pytest.approx(r, abs=2e-4) for r in reference]
+    assert len(choice.logprobs.tokens) == len(prompt) + 1 and choice.text.startswith(choice.logprobs.tokens[0])
+    assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    stream = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+    vllm = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    scored = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    for entry, token, logprob in zip(scored[1:], prompt[1:], reference):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=2e-4)
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]  # the two most likely, and the token's own
+
+
+def test_a_batch_of_prompts_answers_choice_p_times_n_plus_j(client):
+    prompts = ["abc", "hello there"]
+    batch = client.completions.create(model=NAME, prompt=prompts, n=2, max_tokens=5, seed=11)
+    Completion.model_validate(batch.model_dump(), strict=True)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(model=NAME, prompt=p, n=2, max_tokens=5, seed=11) for p in prompts]
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = [[97, 98, 99], [104, 105]]
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0)
+    streamed = {}
+    for chunk in client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in by_ids.choices} and len(streamed) == 2
+
+
+def test_vllm_sampling_extensions_steer_generation(client, served):
+    eos = make_component("model", "tiny-moe", **SERVED_MODEL).eos_token_id
+
+    def complete(**extra):
+        return client.completions.create(model=NAME, prompt="abc", max_tokens=6, temperature=0,
+                                         extra_body=extra).choices[0]
+
+    first = client.completions.create(model=NAME, prompt="abc", max_tokens=1, temperature=0)
+    first_token = (first.choices[0].model_extra.get("token_ids") or [None])[0]
+    forced = client.completions.create(model=NAME, prompt="abc", max_tokens=4, temperature=0.8, seed=1,
+                                       logit_bias={"120": 100}, logprobs=0).choices[0]
+    assert forced.text == "x" * 4 and forced.logprobs.token_logprobs == pytest.approx([0.0] * 4, abs=1e-4)
+    assert complete(logit_bias={str(eos): 100}).finish_reason == "stop"  # the end-of-sequence token, by default
+    assert complete(logit_bias={str(eos): 100}, ignore_eos=True).finish_reason == "length"
+    assert complete(logit_bias={str(eos): 100}, stop_token_ids=[eos], ignore_eos=True).finish_reason == "stop"
+    if first_token is not None:  # builtin: token ids to compare
+        held = complete(stop_token_ids=[first_token], min_tokens=3)
+        assert len(held.model_extra["token_ids"]) >= 3 and held.model_extra["token_ids"][0] != first_token
+        distinct = complete(repetition_penalty=1e4)
+        tokens = distinct.model_extra["token_ids"]
+        assert len(set(tokens)) == len(tokens) and not set(tokens) & set(distinct.model_extra["prompt_token_ids"])
+
+
+def test_context_overflow_is_openais_context_length_exceeded(client, builtin):
+    with pytest.raises(openai.BadRequestError) as caught:  # a history over the context (an agent's)
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a " * 1100}])
+    assert "maximum context length is 1024 tokens" in caught.value.message  # what litellm matches (vLLM too)
+    if builtin:  # OpenAI's code (vLLM answers code 400); vLLM 0.32 cuts max_tokens to fit instead of refusing
+        assert caught.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=NAME, prompt=[97] * 1000, max_tokens=100)
+        assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_tokens"
+        assert "maximum context length is 1024 tokens" in caught.value.message
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
+            client.completions.create(model=NAME, prompt="abc", max_tokens=5000)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
-    ({"logit_bias": {"5": 3}}, "logit_bias is not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ({"logit_bias": {"5": 300}}, "logit_bias must map token ids to numbers in"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be a finite number in"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio is not supported"),
     ({"tool_choice": "required", "tools": []}, "tool_choice must be"),
     ({"extra_body": {"max_tokns": 3}}, "did you mean 'max_tokens'"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
@@ -341,14 +447,22 @@ def test_stop_strings_cut_the_text_streamed_or_not(scripted):
             stream = await client.chat.completions.create(model="scripted", messages=messages, stop=", thr",
                                                           temperature=0, stream=True)
             streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            kept = await client.chat.completions.create(model="scripted", messages=messages, stop=", thr",
+                                                        temperature=0, extra_body={"include_stop_str_in_output": True})
+            late = await client.chat.completions.create(model="scripted", messages=messages, temperature=0,
+                                                        extra_body={"ignore_eos": True, "max_tokens": 30})
         finally:
             await client.close()
             await http.close()
-        return whole, streamed
+        return whole, streamed, kept, late
 
-    whole, streamed = asyncio.run(scenario())
+    whole, streamed, kept, late = asyncio.run(scenario())
     assert whole.choices[0].message.content == "one, two" and whole.choices[0].finish_reason == "stop"
     assert streamed == "one, two"
+    assert kept.choices[0].message.content == "one, two, thr"  # vLLM's include_stop_str_in_output
+    # ignore_eos: the model's end-of-sequence ids (here also the end of the turn) no longer stop it, as on vLLM
+    assert late.choices[0].finish_reason == "length"
+    assert late.choices[0].message.content.startswith("one, two, three, four")
     assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
 
 
@@ -387,6 +501,8 @@ def test_a_malformed_tool_block_stays_text_streamed_exactly_as_not(scripted, tex
     {"max_tokens": 40},  # stop at the end-of-sequence token, or length
     {"max_tokens": 10, "temperature": 0},
     {"max_tokens": 1000, "stop_token_ids": []},  # max_len ends it
+    {"max_tokens": 80, "stop": ["e", "a"], "stop_token_ids": []},  # stop strings (matched in the engine)
+    {"max_tokens": 80, "stop": "\u00e9", "stop_token_ids": []},  # a stop string of a two-byte character
 ])
 def test_streamed_completions_equal_whole_ones_in_text_ids_logprobs_and_versions(served, extra):
     """For the same seed and n = 3: the concatenated stream is the whole answer, choice by choice (i3core's extras
@@ -425,3 +541,150 @@ def test_streamed_completions_equal_whole_ones_in_text_ids_logprobs_and_versions
         assert piece["finish"] == choice["finish_reason"]
     if body["temperature"]:
         assert len({tuple(c["token_ids"]) for c in whole["choices"]}) == 3  # seed + i: three different samples
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "add", "description": "Add.", "strict": False, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
+
+
+def _strict_events(raw: str) -> list:
+    """Every server-sent event of a Responses stream, each validated strictly by the openai client's own types."""
+    from openai.types.responses.response_stream_event import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = []
+    for block in raw.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        event = adapter.validate_python(json.loads(lines["data"]), strict=True)
+        assert event.type == lines["event"]
+        events.append(event)
+    return events
+
+
+def test_responses_api_calls_a_function_tool_and_continues_by_previous_response_id(scripted):
+    from openai.types.responses import Response
+
+    start, set_script = scripted
+    chat_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")}}
+                  for t in RESPONSE_TOOLS]
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}]
+
+    async def scenario():
+        http, client = await start()
+        try:
+            set_script(first, CALLING, chat_tools)
+            whole = await client.responses.with_raw_response.create(
+                model="scripted", instructions="Be brief.", input="2 + 3?", tools=RESPONSE_TOOLS,
+                max_output_tokens=150, temperature=0)
+            stream = await client.responses.with_raw_response.create(
+                model="scripted", instructions="Be brief.", input=[{"role": "user", "content": "2 + 3?"}],
+                tools=RESPONSE_TOOLS, temperature=0, stream=True)
+            raw_events = await stream.http_response.aread()
+            called = Response.model_validate(json.loads(whole.text), strict=True)
+            (call,) = [item for item in called.output if item.type == "function_call"]
+            follow = [{"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+            history = [*first, {"role": "assistant", "content": called.output_text, "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "add", "arguments": call.arguments}}]},
+                       {"role": "tool", "tool_call_id": call.call_id, "content": "5"}]
+            set_script(history, "It is 5.", chat_tools)
+            answer = await client.responses.create(model="scripted", instructions="Be brief.", input=follow,
+                                                   tools=RESPONSE_TOOLS, previous_response_id=called.id,
+                                                   temperature=0)
+            again = await client.responses.create(  # the same conversation sent whole: the same prompt
+                model="scripted", instructions="Be brief.", tools=RESPONSE_TOOLS, temperature=0, input=[
+                    {"role": "user", "content": "2 + 3?"},
+                    {"type": "message", "role": "assistant", "content": [
+                        {"type": "output_text", "text": called.output_text, "annotations": []}]},
+                    {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
+                    *follow])
+            with pytest.raises(openai.BadRequestError, match="web_search are not supported") as refused:
+                await client.responses.create(model="scripted", input="hi", tools=[{"type": "web_search"}])
+            with pytest.raises(openai.BadRequestError, match="not found"):
+                await client.responses.create(model="scripted", input="hi", previous_response_id="resp_nope")
+        finally:
+            await client.close()
+            await http.close()
+        return called, raw_events.decode(), answer, again, refused.value
+
+    called, raw_events, answer, again, refused = asyncio.run(scenario())
+    assert called.status == "completed" and called.output_text == "Let me add. "  # the text before the call
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3} and call.call_id.startswith("call_")
+    assert called.usage.total_tokens == called.usage.input_tokens + called.usage.output_tokens
+    events = _strict_events(raw_events)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-8:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == called.output_text and "<tool_call" not in deltas  # a stream sends the same bytes
+    done = events[-1].response
+    assert done.output[-1].name == "add" and json.loads(done.output[-1].arguments) == {"a": 2, "b": 3}
+    assert answer.output_text == again.output_text == "It is 5."  # the stored conversation is the one sent whole
+    assert answer.usage.input_tokens == again.usage.input_tokens and answer.previous_response_id == called.id
+    assert refused.param == "tools"
+
+
+def test_responses_api_on_the_served_model_strict_and_streamed(client, builtin):
+    from openai.types.responses import Response
+
+    raw = client.responses.with_raw_response.create(model=NAME, input="abc", max_output_tokens=6, temperature=0)
+    whole = Response.model_validate(json.loads(raw.text), strict=True)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6
+    streamed = list(client.responses.create(model=NAME, input="abc", max_output_tokens=6, temperature=0,
+                                            stream=True))
+    assert streamed[-1].type == "response.completed"
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == whole.output_text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=NAME, input="a " * 1100)
+    assert "maximum context length is 1024 tokens" in caught.value.message
+    assert not builtin or caught.value.code == "context_length_exceeded"
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(served, client, builtin):
+    url, _ = served
+    tokenizer = make_component("model", "tiny-moe", **SERVED_MODEL).tokenizer()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async def post(path, body):
+                async with session.post(url + path, json=body) as response:
+                    return response.status, await response.json()
+
+            text = await post("/tokenize", {"model": NAME, "prompt": "hello"})
+            chat = await post("/tokenize", {"model": NAME, "messages": MESSAGES})
+            back = await post("/detokenize", {"model": NAME, "tokens": text[1]["tokens"]})
+            both = await post("/tokenize", {"prompt": "x", "messages": MESSAGES})
+            async with session.get(url + "/version") as response:
+                version = await response.json()
+        return text, chat, back, both, version
+
+    text, chat, back, both, version = asyncio.run(scenario())
+    assert text[0] == 200 and text[1]["tokens"] == tokenizer.encode("hello").ids
+    assert text[1]["count"] == len(text[1]["tokens"]) and text[1]["max_model_len"] == 1024
+    reply = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=1)
+    assert chat[1]["count"] == reply.usage.prompt_tokens  # the chat route's own rendering
+    assert back == (200, {"prompt": tokenizer.decode(text[1]["tokens"], skip_special_tokens=False)})
+    if builtin:  # i3core refuses the ambiguous request by name
+        assert both[0] == 400 and both[1]["error"]["param"] == "prompt"
+    assert isinstance(version["version"], str) and version["version"]
+
+
+def test_serve_refuses_a_max_len_above_the_models_positions(tmp_path):
+    import subprocess
+    import sys
+
+    model = make_component("model", "tiny-moe", **SERVED_MODEL)
+    model.save_hf(model.build(seed=0), tmp_path)
+    result = subprocess.run([sys.executable, "-m", "i3core.cli", "serve", str(tmp_path), "--max-len", "8192",
+                             "--model-option", f"hidden_size={SERVED_MODEL['hidden_size']}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "--max-len 8192 exceeds the model's max_position_embeddings (2048)" in line

@@ -14,14 +14,20 @@ from i3core.testing import make_component
 from .conftest import SERVED_MODEL
 from .test_openai_api import (  # noqa: F401  (collected here, with this module's fixtures)
     NAME,
+    test_a_batch_of_prompts_answers_choice_p_times_n_plus_j,
     test_chat_strict_with_logprobs_and_text_parts,
     test_completions_strict_with_logprobs_in_openai_shape,
+    test_context_overflow_is_openais_context_length_exceeded,
+    test_echo_scores_the_prompt_as_evaluation_harnesses_ask,
     test_models_lists_the_served_name_and_its_context,
     test_neutral_values_of_unsupported_fields_are_accepted,
+    test_responses_api_on_the_served_model_strict_and_streamed,
     test_sampling_settings_seed_n_and_top_k,
     test_sixteen_concurrent_streamed_chats,
     test_streamed_answers_equal_the_whole_ones,
+    test_tokenize_detokenize_and_version_as_vllm_serves_them,
     test_tool_calls_and_tool_messages_are_rendered_by_the_chat_template,
+    test_vllm_sampling_extensions_steer_generation,
 )
 from .test_vllm import PYTHON, require_vllm
 

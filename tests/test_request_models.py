@@ -49,7 +49,7 @@ def refused(model, body: dict) -> BadRequest:
     ("field", "good", "bad", "words"),
     [
         ("n", [1, MAX_N], [0, MAX_N + 1, 1.0, True, "2"], f"n must be an integer in [1, {MAX_N}]"),
-        ("max_tokens", [1, MAX_LEN], [0, -1, MAX_LEN + 1, 2.5, 10**30, "8"], "max_tokens must be an integer in [1, "),
+        ("max_tokens", [1, MAX_LEN], [0, -1, 2.5, 10**30, "8"], "max_tokens must be an integer in [1, "),
         ("temperature", [0, 0.0, 1e-300, 2, 1e300], [-1e-9, math.nan, math.inf, -math.inf, "hot", True],
          "temperature must be a finite number >= 0"),
         ("top_p", [1e-9, 0.5, 1], [0, -0.1, 1.0000001, math.nan], "top_p must be a finite number in (0, 1]"),
@@ -72,6 +72,23 @@ def test_each_sampling_bound_is_a_400_naming_the_field_and_the_bound(field, good
         assert words in str(error) and error.param == field, (value, str(error))
 
 
+def test_max_tokens_over_the_context_is_openais_context_length_exceeded():
+    settings_ = sampling({"prompt": [1], "max_tokens": MAX_LEN})
+    with pytest.raises(BadRequest, match=f"This model's maximum context length is {MAX_LEN} tokens") as info:
+        settings_.fit(1, MAX_LEN)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    assert settings_.fit(0 + 2, MAX_LEN + 2) == MAX_LEN
+    clipped = sampling({"prompt": [1], "max_tokens": MAX_LEN, "clip_max_tokens": True})
+    assert clipped.fit(10, MAX_LEN) == MAX_LEN - 10  # the orchestrator's client: generate up to the context
+    chat = sampling({"messages": [{"role": "user", "content": "x"}]}, ChatRequest)
+    assert chat.fit(10, MAX_LEN) == MAX_LEN - 10  # chat's default: as many as fit
+    with pytest.raises(BadRequest, match="leaves no room") as info:
+        chat.fit(MAX_LEN, MAX_LEN)
+    assert info.value.code == "context_length_exceeded"
+    echo = sampling({"prompt": [1], "max_tokens": 0, "echo": True})
+    assert echo.echo and echo.fit(MAX_LEN - 1, MAX_LEN) == 0
+
+
 def test_temperature_below_epsilon_is_greedy_and_tiny_ones_are_raised():
     assert sampling({"prompt": [1], "temperature": 1e-300}).temperature == 0.0
     assert sampling({"prompt": [1], "temperature": 1e-3}).temperature == MIN_TEMPERATURE
@@ -82,16 +99,25 @@ def test_temperature_below_epsilon_is_greedy_and_tiny_ones_are_raised():
 @pytest.mark.parametrize(
     ("model", "body", "words", "param"),
     [
-        (CompletionRequest, {}, "prompt must be a non-empty string or a non-empty list of token ids", "prompt"),
+        (CompletionRequest, {}, "prompt must be a non-empty string, a non-empty list of token ids", "prompt"),
+        (CompletionRequest, {"prompt": [[1], []]}, "prompt must be a non-empty string", "prompt"),
+        (CompletionRequest, {"prompt": [1], "max_tokens": 0}, "(0 only with echo)", "max_tokens"),
         (CompletionRequest, {"prompt": [1, VOCAB]}, f"prompt token ids must be in [0, {VOCAB})", "prompt"),
         (CompletionRequest, {"prompt": ["a", "b"]}, "one prompt a request", "prompt"),
         (CompletionRequest, {"prompt": [1], "max_tokns": 3}, "did you mean 'max_tokens'", "max_tokns"),
-        (CompletionRequest, {"prompt": [1], "presence_penalty": 1}, "presence_penalty is not supported",
+        (CompletionRequest, {"prompt": [1], "presence_penalty": 3}, "presence_penalty must be a finite number in [-2, 2]",
          "presence_penalty"),
+        (CompletionRequest, {"prompt": [1], "logit_bias": {"x": 1}}, "logit_bias must map token ids", "logit_bias"),
+        (CompletionRequest, {"prompt": [1], "logit_bias": {"1": 101}}, "logit_bias must map token ids", "logit_bias"),
+        (CompletionRequest, {"prompt": [1], "logit_bias": {str(VOCAB): 1}}, "logit_bias token ids must be in",
+         "logit_bias"),
+        (CompletionRequest, {"prompt": [1], "repetition_penalty": 0}, "repetition_penalty must be a finite number > 0",
+         "repetition_penalty"),
+        (CompletionRequest, {"prompt": [1], "best_of": 2}, "best_of is not supported", "best_of"),
         (ChatRequest, {"messages": []}, "messages must be a non-empty list of at most", "messages"),
         (ChatRequest, {"messages": [{"role": "user", "content": "x"}] * 4097}, "at most 4096 messages", "messages"),
-        (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": MAX_LEN + 1},
-         f"max_completion_tokens must be an integer in [1, {MAX_LEN}]", "max_completion_tokens"),
+        (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+         "max_completion_tokens must be an integer in [1, max_len]", "max_completion_tokens"),
         (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
          "top_logprobs needs logprobs = true", "top_logprobs"),
         (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -99,8 +125,8 @@ def test_temperature_below_epsilon_is_greedy_and_tiny_ones_are_raised():
         (ChatRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
          "tools[0].function must be", "tools[0].function"),
         (GenerateRequest, {"token_ids": []}, "token_ids must be a non-empty list", "token_ids"),
-        (GenerateRequest, {"token_ids": [1], "sampling_params": {"ignore_eos": True}},
-         "sampling_params.ignore_eos must be false", "sampling_params.ignore_eos"),
+        (GenerateRequest, {"token_ids": [1], "sampling_params": {"detokenize": False}},
+         "sampling_params.detokenize must be true", "sampling_params.detokenize"),
         (UpdateWeightsRequest, {"version": -1}, "version must be an integer >= 0", "version"),
     ],
 )
@@ -125,7 +151,7 @@ def test_the_published_schema_is_valid_openapi_and_holds_the_bounds():
     schemas = document["components"]["schemas"]
     completion = schemas["CompletionRequest"]["properties"]
     assert completion["n"]["maximum"] == MAX_N and completion["top_p"]["exclusiveMinimum"] == 0
-    assert completion["max_tokens"]["x-bound"] == "an integer in [1, max_len]"
+    assert completion["max_tokens"]["x-bound"].startswith("an integer in [1, max_len]")
     assert set(document["paths"]) == set(REQUEST_MODELS)
     body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0.5, "stop": ["x"]}
     resolver = {"components": document["components"], **schemas["CompletionRequest"]}
@@ -167,7 +193,12 @@ def check_outcome(model, body: dict) -> None:
     except BadRequest as exc:
         assert str(exc)
         return
-    assert 1 <= settings_.n <= MAX_N and 1 <= settings_.max_tokens <= MAX_LEN
+    try:
+        max_tokens = settings_.fit(1, MAX_LEN)  # what a one-token prompt may generate
+    except BadRequest as exc:  # more than the context holds, min_tokens above it
+        assert exc.param in ("max_tokens", "min_tokens")
+        return
+    assert 1 <= settings_.n <= MAX_N and 0 <= max_tokens <= MAX_LEN - 1
     assert settings_.temperature == 0 or MIN_TEMPERATURE <= settings_.temperature < math.inf
     assert 0 < settings_.top_p <= 1 and settings_.top_k >= 0
     assert all(0 <= t < VOCAB for t in settings_.stop_token_ids)

@@ -308,3 +308,37 @@ def test_a_vllm_run_on_an_hf_bpe_model_stops_where_its_merged_tokens_hold_the_st
 
     run_stops_on_merged_tokens(make_hf_model(tmp_path / "made", "qwen3"), tmp_path, "inference.use='vllm'",
                                "inference.servers=1", "inference.max_slots=64", f"inference.python='{PYTHON}'")
+
+
+@pytest.mark.clients
+def test_lm_eval_scores_the_same_through_vllm_and_i3core(tmp_path):
+    """lm-eval's local-completions (default tokenized requests: batched token-id prompts, echo with logprobs) on
+    a generation task and a multiple-choice task: the same accuracies and loglikelihoods through vLLM's server
+    and `i3core serve` on the same saved hf Qwen3. Runs in the clients environment (.ci/run), where lm-eval is."""
+    from .test_clients import MAX_LEN, NAME, lm_eval_tasks, require, run_lm_eval, serve
+    from .test_hf_model import make_hf_model
+
+    require_vllm()
+    require("lm_eval")
+    directory = make_hf_model(tmp_path / "qwen3", "qwen3")
+    tasks = lm_eval_tasks(tmp_path / "tasks")
+    with serve(directory) as url:
+        ours = run_lm_eval(url, directory, tasks, tmp_path / "i3core")
+    source = make_component("rollout_source", "vllm", servers=1, max_slots=8, max_len=MAX_LEN, python=PYTHON,
+                            served_model_name=NAME)
+    (url,) = source.start(directory, tmp_path / "logs")
+    try:
+        theirs = run_lm_eval(url, directory, tasks, tmp_path / "vllm")
+    finally:
+        source.close()
+    assert ours["results"]["i3core_gen"]["exact_match,none"] == theirs["results"]["i3core_gen"]["exact_match,none"]
+    assert ours["results"]["i3core_mc"]["acc,none"] == theirs["results"]["i3core_mc"]["acc,none"]
+    (mine,), (vllms,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_mc")] for run in (ours, theirs))
+    for a, b in zip(mine, vllms, strict=True):
+        assert [float(r[0][0]) for r in a["resps"]] == pytest.approx([float(r[0][0]) for r in b["resps"]], abs=1e-3)
+    (gen_ours,), (gen_vllm,) = ([r for n, r in run["samples"].items() if n.startswith("i3core_gen")]
+                                for run in (ours, theirs))
+    def texts(samples):  # a completion cut inside a character: i3core ends it with U+FFFD, vLLM leaves it out
+        return [[text.rstrip("\ufffd") for text in s["filtered_resps"]] for s in samples]
+
+    assert texts(gen_ours) == texts(gen_vllm)  # greedy: the same text

@@ -350,9 +350,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from i3core.config import build_component
     from i3core.manager import load_plugins
+    from i3core.weights import check_max_len
 
     if not (args.model_dir / "config.json").is_file():
         raise I3Error(f"{args.model_dir} is not a model directory (no config.json)")
+    check_max_len(args.model_dir, args.max_len)  # as vLLM: more than the model's positions is refused (exit 2)
     options = {}
     for item in args.model_option:
         key, sep, value = item.partition("=")

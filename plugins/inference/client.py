@@ -65,7 +65,8 @@ class InferenceClient:
         text is the server's (:func:`i3core.text.completion_text`: special tokens kept, the stop token not)."""
         prompt_ids = list(prompt_ids)
         body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                "skip_special_tokens": False}
+                "skip_special_tokens": False,
+                "clip_max_tokens": True}  # a prompt near the context ends there ("length"), never a 400
         stop_ids = stop_token_ids if stop_token_ids is not None else self.stop_token_ids
         if stop_ids is not None:
             body["stop_token_ids"] = stop_ids

@@ -4,10 +4,13 @@ Scheduling: requests wait in a FIFO queue; before every decode step, waiting
 requests take free cache slots (up to ``max_slots``) and are prefilled, those
 of one prompt length together in one forward, a prompt several of them share
 (the ``n`` choices of a request, a group's completions) once; then one decode
-step runs every running sequence together.
+step runs every running sequence together. A request that asks for its prompt's
+logprobs gets them from that same prefill forward (one LM head over the prompt's positions).
 A finished sequence frees its slot at once, so a new request joins on the next
 step. Sampling is batched: one set of tensor ops per group of sequences with
-the same settings (:func:`sample`), a per-row draw only for seeded requests.
+the same settings (:func:`sample`), a per-row draw only for seeded requests. vLLM's logits processors
+(``min_tokens``, ``repetition_penalty``, ``presence_penalty``/``frequency_penalty``, ``logit_bias``) run before it
+over the rows that set them, as tensor ops over the batch (:func:`process_logits`).
 
 Stop strings are matched on the text, on the engine thread: a sequence with ``stop`` strings (or ``stream``)
 carries an incremental :class:`~i3core.text.Detokenizer`, and the step that completes a stop string, across
@@ -64,6 +67,28 @@ class Request:
     """Leave special tokens out of the text (the stop token that ended it is left out either way)."""
     stream: bool = False
     """Build :attr:`Sequence.decoded` token by token for a stream (always done with ``stop`` strings)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: :attr:`Sequence.text` keeps the stop string that ended it."""
+    prompt_logprobs: int | None = None
+    """The prompt tokens' logprobs (``Sequence.prompt_logprobs``) with this many alternatives each, computed by the
+    prefill; None: not computed."""
+    min_tokens: int = 0
+    """The stop tokens cannot be drawn before this many tokens (vLLM's ``min_tokens``)."""
+    repetition_penalty: float = 1.0
+    """vLLM's (CTRL's) penalty: the logit of a token already in the prompt or the completion is divided by it when
+    positive, multiplied by it when negative; 1: off."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token the completion already holds."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time the completion holds it."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's: token id -> a value added to its logit at every step."""
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor of :func:`process_logits` applies to this request."""
+        return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(eq=False)
@@ -78,6 +103,12 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Per generated token, the ``top_logprobs`` most likely ``(token id, logprob)`` (empty when not asked)."""
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    """Per prompt token, its logprob given the tokens before it (None for the first), when the request asks."""
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per prompt token, the ``prompt_logprobs`` most likely ``(token id, logprob)`` at its place (the first: [])."""
+    prompt_ranks: list[int | None] = field(default_factory=list)
+    """Per prompt token, its rank at its place (1: the most likely; None for the first)."""
     finish_reason: str | None = None
     """``stop``, ``length``, ``abort``, or ``error`` (then :attr:`error` says why)."""
     error: str | None = None
@@ -106,6 +137,9 @@ class EngineBase(ABC):
     :meth:`load_state` (swap them in between two steps).
     """
 
+    computes_logits = True
+    """Whether the engine runs a model's logits (prompt logprobs and logits processors need them)."""
+
     def __init__(self, *, max_slots: int, max_len: int, vocab_size: int, version: int, tokenizer=None):
         self.max_slots, self.max_len, self.vocab_size = max_slots, max_len, vocab_size
         self.tokenizer = tokenizer
@@ -126,8 +160,14 @@ class EngineBase(ABC):
     def new_sequence(self, request: Request) -> Sequence:
         """Validate ``request`` and wrap it, without queueing it.
 
-        :raises ValueError: an empty or too long prompt, a negative temperature, stop strings without a tokenizer.
+        :raises ValueError: an empty or too long prompt, a negative temperature, stop strings without a tokenizer, a
+            setting this engine lacks.
         """
+        if not self.computes_logits and (request.prompt_logprobs is not None or request.processes_logits):
+            raise ValueError(f"{type(self).__name__} computes no logits: prompt logprobs, min_tokens, penalties and "
+                             "logit_bias are not available on it")
+        if request.logit_bias and any(not 0 <= t < self.vocab_size for t in request.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         if len(request.prompt_ids) >= self.max_len:
@@ -198,6 +238,11 @@ class EngineBase(ABC):
         a finished sequence gets its :attr:`~Sequence.text` and frees its slot."""
         if seq.finish_reason == "error":  # failed while sampling (:meth:`_fail`)
             return True
+        if not seq.token_ids:  # max_tokens 0: the prompt alone (its logprobs), nothing generated
+            seq.text, seq.finish_reason = "", "length"
+            if seq.slot >= 0:
+                self._free.append(seq.slot)
+            return True
         token, request, detokenizer = seq.token_ids[-1], seq.request, seq.detokenizer
         if token in request.stop_token_ids:
             reason = "stop"
@@ -213,6 +258,11 @@ class EngineBase(ABC):
         if self.tokenizer is not None:  # before the finish reason: a reader that sees one finds the text
             seq.text = completion_text(self.tokenizer, seq.token_ids, stop_token_ids=request.stop_token_ids,
                                        stop=request.stop, skip_special_tokens=request.skip_special_tokens)
+            if request.include_stop_str_in_output and reason == "stop" and request.stop:
+                whole = completion_text(self.tokenizer, seq.token_ids, stop_token_ids=request.stop_token_ids,
+                                        skip_special_tokens=request.skip_special_tokens)
+                rest = whole[len(seq.text):]
+                seq.text += next((stop for stop in request.stop if rest.startswith(stop)), "")
         seq.finish_reason = reason
         if seq.slot >= 0:
             self._free.append(seq.slot)
@@ -248,7 +298,10 @@ class Engine(EngineBase):
             admitted.setdefault(len(seq.request.prompt_ids), []).append(seq)
         for length, seqs in admitted.items():  # prompts of one length: one forward
             seqs, hidden = self._prefill(length, seqs)
-            self._sample(seqs, hidden)
+            generating = [i for i, seq in enumerate(seqs) if seq.request.max_tokens > 0]
+            if len(generating) < len(seqs):
+                hidden = hidden[torch.tensor(generating, dtype=torch.long)]
+            self._sample([seqs[i] for i in generating], hidden)
             for seq in seqs:
                 if self._maybe_finish(seq):
                     finished.append(seq)
@@ -279,10 +332,10 @@ class Engine(EngineBase):
         once and its cache entries copied to the others' slots, where the cache can (``copy_slots``)."""
         share = callable(getattr(self.cache, "copy_slots", None))
         unique: list[Sequence] = []
-        row: dict = {}  # a prompt (each sequence its own where the cache cannot copy) -> its row in ``unique``
+        row: dict = {}  # a prompt and its prompt_logprobs (each sequence its own where the cache cannot copy) -> row
         copies: list[tuple[Sequence, int]] = []  # a sequence and the row of the prompt it shares
         for seq in seqs:
-            key = tuple(seq.request.prompt_ids) if share else id(seq)
+            key = (tuple(seq.request.prompt_ids), seq.request.prompt_logprobs) if share else id(seq)
             if key in row:
                 copies.append((seq, row[key]))
             else:
@@ -291,6 +344,10 @@ class Engine(EngineBase):
         prompts = torch.tensor([seq.request.prompt_ids for seq in unique])
         positions = torch.arange(length).expand(len(unique), length)
         hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in unique]))
+        self._prompt_logprobs(unique, prompts, hidden)
+        for seq, r in copies:
+            seq.prompt_logprobs, seq.prompt_top_logprobs = unique[r].prompt_logprobs, unique[r].prompt_top_logprobs
+            seq.prompt_ranks = unique[r].prompt_ranks
         hidden = hidden[:, -1]
         if copies:
             rows = torch.tensor([r for _, r in copies])
@@ -298,6 +355,26 @@ class Engine(EngineBase):
                                   torch.tensor([seq.slot for seq, _ in copies]), length)
             hidden = torch.cat([hidden, hidden[rows]])
         return unique + [seq for seq, _ in copies], hidden
+
+    def _prompt_logprobs(self, seqs: list[Sequence], prompts: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Fill ``prompt_logprobs`` of the ``seqs`` that ask, from their prefill's hidden states ``[B, L, H]``
+        (``prompts`` ``[B, L]``): each token's logprob under the model given the tokens before it."""
+        rows = [i for i, seq in enumerate(seqs) if seq.request.prompt_logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows)
+        logprobs = torch.log_softmax(self.model.logits(hidden[index, :-1]).float(), dim=-1)  # [R, L-1, V]
+        chosen = logprobs.gather(2, prompts[index, 1:, None])  # [R, L-1, 1]
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        chosen = chosen.squeeze(2).tolist()
+        k = max(seqs[i].request.prompt_logprobs for i in rows)
+        best, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k else (None, None)
+        for j, i in enumerate(rows):
+            seq, asked = seqs[i], seqs[i].request.prompt_logprobs
+            seq.prompt_logprobs, seq.prompt_ranks = [None, *chosen[j]], [None, *ranks[j]]
+            seq.prompt_top_logprobs = [[]] + ([list(zip(t, b)) for t, b in zip(ids[j, :, :asked].tolist(),
+                                                                                best[j, :, :asked].tolist())]
+                                              if asked else [[] for _ in chosen[j]])
 
     def stage(self, path: Path) -> dict[str, torch.Tensor]:
         """Load the safetensors of the HF directory ``path`` into a state of this model: every name and shape is
@@ -342,9 +419,12 @@ class Engine(EngineBase):
             self._last = (version, published)
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """One token per sequence from ``hidden`` ``[B, H]``, recorded with its logprob and this version; a
-        sequence whose row cannot be sampled fails alone (:meth:`_fail`)."""
-        for seq, drawn in zip(seqs, sample_rows(self.model.logits(hidden).float(), seqs)):
+        """One token per sequence from ``hidden`` ``[B, H]`` (after the logits processors), recorded with its logprob
+        and this version; a sequence whose row cannot be sampled fails alone (:meth:`_fail`)."""
+        if not seqs:
+            return
+        logits = process_logits(self.model.logits(hidden).float(), seqs)
+        for seq, drawn in zip(seqs, sample_rows(logits, seqs)):
             if isinstance(drawn, str):
                 self._fail(seq, drawn)
                 continue
@@ -428,6 +508,52 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float,
                 tops[rows[i]] = list(zip(ids[i, :k].tolist(), best[i, :k].tolist()))
     return [(token, logprob, tops.get(row, [])) for row, (token, logprob)
             in enumerate(zip(tokens.tolist(), chosen.tolist()))]
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` after vLLM's logits processors, for the rows whose request sets one (the others are
+    left as they are): ``logit_bias`` added; ``presence_penalty`` and ``frequency_penalty`` (OpenAI's: ``count *
+    frequency + (count > 0) * presence`` subtracted, counting the completion's tokens); ``repetition_penalty``
+    (divides a positive logit, multiplies a negative one, of every token in the prompt or the completion); the
+    stop tokens masked to -inf while a completion is shorter than ``min_tokens``. Each is one set of tensor ops
+    over those rows."""
+    rows = [i for i, seq in enumerate(seqs) if seq.request.processes_logits]
+    if not rows:
+        return logits
+    requests = [seqs[i].request for i in rows]
+    outputs = [seqs[i].token_ids for i in rows]
+    index = torch.tensor(rows)
+    block = logits.index_select(0, index)
+    vocab = logits.shape[-1]
+    if any(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0 for r in requests):
+        counts = _token_counts(outputs, vocab)  # [R, V]
+        frequency = torch.tensor([r.frequency_penalty for r in requests])[:, None]
+        presence = torch.tensor([r.presence_penalty for r in requests])[:, None]
+        block = block - counts * frequency - (counts > 0) * presence
+        repetition = torch.tensor([r.repetition_penalty for r in requests])[:, None]
+        if (repetition != 1.0).any():
+            seen = (counts + _token_counts([r.prompt_ids for r in requests], vocab)) > 0
+            block = torch.where(seen, torch.where(block > 0, block / repetition, block * repetition), block)
+    biased = [(j, token, value) for j, r in enumerate(requests) for token, value in (r.logit_bias or {}).items()]
+    if biased:
+        at, tokens, values = zip(*biased)
+        block = block.index_put((torch.tensor(at), torch.tensor(tokens)), torch.tensor(values), accumulate=True)
+    early = [(j, token) for j, r in enumerate(requests) if len(outputs[j]) < r.min_tokens
+             for token in r.stop_token_ids if token < vocab]
+    if early:
+        at, tokens = zip(*early)
+        block = block.index_put((torch.tensor(at), torch.tensor(tokens)), torch.tensor(-math.inf))
+    return logits.index_copy(0, index, block)
+
+
+def _token_counts(sequences: list[list[int]], vocab: int) -> torch.Tensor:
+    """``[len(sequences), vocab]`` float: how often each token occurs in each sequence (one scatter)."""
+    longest = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), longest), vocab, dtype=torch.long)  # pads count in a column cut off below
+    for j, s in enumerate(sequences):
+        ids[j, : len(s)] = torch.tensor(s, dtype=torch.long)
+    counts = torch.zeros(len(sequences), vocab + 1)
+    return counts.scatter_add_(1, ids, torch.ones(ids.shape))[:, :vocab]
 
 
 def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

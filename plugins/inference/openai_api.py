@@ -42,6 +42,7 @@ from i3core.plugins.inference.protocol import (
     split_tool_calls,
     usage,
 )
+from i3core.plugins.inference.responses import Responses
 
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 4096
@@ -78,6 +79,28 @@ class Output:
     def of(cls, seq: Sequence, count: int, text: str, finish_reason: str) -> "Output":
         return cls(seq.token_ids[:count], seq.logprobs[:count], seq.versions[:count], seq.top_logprobs[:count],
                    text, finish_reason)
+
+
+@dataclass
+class Echo:
+    """The prompt a completion choice echoes: its text and, with ``logprobs``, OpenAI's legacy logprobs of it."""
+
+    text: str
+    logprobs: dict | None
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    """Where each token's text starts, from ``start`` (OpenAI's ``text_offset``)."""
+    offsets, at = [], start
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return offsets
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two spans of legacy logprobs (an echoed prompt, its completion) as one."""
+    return {key: [*(first[key] or []), *(then[key] or [])] for key in first}
 
 
 class TextStream:
@@ -124,9 +147,9 @@ async def send_error(response: web.StreamResponse, exc: Exception) -> None:
     await response.write_eof()
 
 
-def served(http: web.Request, prompt_ids: list[int], outputs: list[Output]) -> None:
+def served(http: web.Request, prompt_tokens: int, outputs: list[Output]) -> None:
     """What the request line says of a served request: its tokens and finish reasons."""
-    http[TRACE].update(prompt_tokens=len(prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outputs),
+    http[TRACE].update(prompt_tokens=prompt_tokens, completion_tokens=sum(len(o.token_ids) for o in outputs),
                        finish_reason=",".join(dict.fromkeys(o.finish_reason for o in outputs)))
 
 
@@ -147,6 +170,7 @@ class OpenAIRoutes:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            *Responses(self, served).web_routes(),
             web.get("/v1/models", self.models),
             web.post("/inference/v1/generate", self.generate),
             web.get("/inference/v1/sessions/{session_id}", self.session),
@@ -160,16 +184,27 @@ class OpenAIRoutes:
 
     # -- requests into sequences ------------------------------------------------------------------------------
 
-    def _sequences(self, prompt_ids: list[int], sampling: Sampling) -> list[Sequence]:
-        """The ``n`` sequences of one request, checked before anything is queued or any byte is sent."""
+    def _sequences(self, prompts: list[list[int]], sampling: Sampling) -> list[Sequence]:
+        """The ``n`` sequences of each prompt (sequence ``p * n + j``: choice ``j`` of prompt ``p``, OpenAI's
+        index), checked before anything is queued or any byte is sent.
+
+        :raises ContextLengthExceeded: a prompt with its ``max_tokens`` does not fit the context.
+        """
+        prompt_logprobs = sampling.prompt_logprobs
+        if sampling.echo and sampling.logprobs is not None:  # the echoed prompt's logprobs, from its prefill
+            prompt_logprobs = max(prompt_logprobs or 0, sampling.logprobs)
         return [
             self.server.new_sequence(Request(
-                list(prompt_ids), sampling.max_tokens, sampling.temperature, sampling.stop_token_ids,
-                sampling.seed_of(i), top_p=sampling.top_p, top_k=sampling.top_k,
+                list(prompt_ids), sampling.fit(len(prompt_ids), self.server.engine.max_len), sampling.temperature,
+                sampling.stop_token_ids, sampling.seed_of(j), top_p=sampling.top_p, top_k=sampling.top_k,
                 top_logprobs=sampling.logprobs or 0, stop=sampling.stop,
                 skip_special_tokens=sampling.skip_special_tokens, stream=sampling.stream,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
+                prompt_logprobs=prompt_logprobs, min_tokens=sampling.min_tokens,
+                repetition_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
             ))
-            for i in range(sampling.n)
+            for prompt_ids in prompts for j in range(sampling.n)
         ]  # fmt: skip
 
     async def _run(self, seq: Sequence, sampling: Sampling, hold: str | None = None, on_delta=None) -> Output:
@@ -208,35 +243,69 @@ class OpenAIRoutes:
     async def completions(self, http: web.Request) -> web.StreamResponse:
         server = self.server
         request = parse(CompletionRequest, parse_json_object(await http.read()))
-        engine = server.engine
-        prompt_ids = request.prompt_ids(engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
-        sampling = request.stream_sampling(engine.max_len, engine.vocab_size, end_ids(server.model))
-        seqs = self._sequences(prompt_ids, sampling)
+        engine, eos = server.engine, end_ids(server.model)
+        prompts = request.prompts(engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
+        sampling = request.stream_sampling(engine.max_len, engine.vocab_size, eos, eos)
+        seqs = self._sequences(prompts, sampling)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if sampling.stream:
-            return await self._stream(http, seqs, sampling, prompt_ids, request_id, "text_completion", created)
+            return await self._stream(http, seqs, sampling, prompts, request_id, "text_completion", created)
         outputs = await together(self._run(seq, sampling) for seq in seqs)
-        served(http, prompt_ids, outputs)
+        served(http, sum(map(len, prompts)), outputs)
         server.requests_served += 1
-        choices = [
-            completion_choice(i, out.text, prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
-                              self._completion_logprobs(out, 0) if sampling.logprobs is not None else None)
-            for i, out in enumerate(outputs)
-        ]
-        return web.json_response(self._envelope(request_id, "text_completion", created, choices, prompt_ids))
+        choices = []
+        for i, (seq, out) in enumerate(zip(seqs, outputs)):
+            prompt = self._echo(seq, sampling)
+            logprobs = None
+            if sampling.logprobs is not None:
+                logprobs = self._completion_logprobs(out, len(prompt.text) if prompt else 0)
+                if prompt is not None:
+                    logprobs = _joined(prompt.logprobs, logprobs)
+            choice = completion_choice(i, (prompt.text if prompt else "") + out.text, seq.request.prompt_ids,
+                                       out.token_ids, out.logprobs, out.versions, out.finish_reason, logprobs)
+            if sampling.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(seq, sampling.prompt_logprobs)
+            choices.append(choice)
+        return web.json_response(self._envelope(request_id, "text_completion", created, choices, prompts,
+                                                sampling.n))
+
+    def _echo(self, seq: Sequence, sampling: Sampling) -> "Echo | None":
+        """The prompt a choice echoes (``echo``): its text and, with ``logprobs``, OpenAI's legacy logprobs of its
+        tokens (the first one's logprob and alternatives null, as OpenAI and vLLM give them)."""
+        if not sampling.echo:
+            return None
+        ids = seq.request.prompt_ids
+        text = self.server.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+        if sampling.logprobs is None:
+            return Echo(text, None)
+        k = sampling.logprobs
+        tokens = [self._token_text(t) for t in ids]
+        top = [None] + [{self._token_text(t): finite(lp) for t, lp in alternatives[:k]}
+                        for alternatives in seq.prompt_top_logprobs[1:]]
+        logprobs = {"tokens": tokens, "token_logprobs": [None, *(finite(lp) for lp in seq.prompt_logprobs[1:])],
+                    "top_logprobs": top, "text_offset": _offsets(tokens, 0)}
+        return Echo(text, logprobs)
+
+    def _vllm_prompt_logprobs(self, seq: Sequence, k: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) ``{token id: {"logprob", "rank",
+        "decoded_token"}}`` holding the token itself and the ``k`` most likely at its place."""
+        out: list[dict | None] = [None]
+        for token, logprob, rank, alternatives in zip(seq.request.prompt_ids[1:], seq.prompt_logprobs[1:],
+                                                      seq.prompt_ranks[1:], seq.prompt_top_logprobs[1:]):
+            entry = {str(t): {"logprob": finite(lp), "rank": r + 1, "decoded_token": self._token_text(t)}
+                     for r, (t, lp) in enumerate(alternatives[:k])}
+            entry[str(token)] = {"logprob": finite(logprob), "rank": rank, "decoded_token": self._token_text(token)}
+            out.append(entry)
+        return out
 
     def _completion_logprobs(self, out: Output, offset: int, first: int = 0, last: int | None = None) -> dict:
         """OpenAI's legacy logprobs of tokens ``[first, last)``: ``tokens``, ``token_logprobs``,
         ``top_logprobs`` (token text -> logprob), ``text_offset`` (from ``offset`` in the completion's text)."""
         last = len(out.token_ids) if last is None else last
         tokens = [self._token_text(t) for t in out.token_ids[first:last]]
-        offsets, at = [], offset
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
         top = [{self._token_text(t): finite(lp) for t, lp in alternatives} for alternatives in out.top[first:last]]
         return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in out.logprobs[first:last]],
-                "top_logprobs": top or None, "text_offset": offsets}
+                "top_logprobs": top or None, "text_offset": _offsets(tokens, offset)}
 
     # -- /v1/chat/completions ---------------------------------------------------------------------------------
 
@@ -249,15 +318,15 @@ class OpenAIRoutes:
                                              add_special_tokens=False).ids
         # by default: the end of the assistant's turn, or of the text
         sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size,
-                                           end_ids(server.model, chat=True))
-        seqs = self._sequences(prompt_ids, sampling)
+                                           end_ids(server.model, chat=True), end_ids(server.model))
+        seqs = self._sequences([prompt_ids], sampling)
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         hold = TOOL_CALL_OPEN if tools else None
         if sampling.stream:
-            return await self._stream(http, seqs, sampling, prompt_ids, request_id, "chat.completion.chunk", created,
-                                      hold)
+            return await self._stream(http, seqs, sampling, [prompt_ids], request_id, "chat.completion.chunk",
+                                      created, hold)
         outputs = await together(self._run(seq, sampling, hold) for seq in seqs)
-        served(http, prompt_ids, outputs)
+        served(http, len(prompt_ids), outputs)
         server.requests_served += 1
         choices = []
         for i, out in enumerate(outputs):
@@ -271,7 +340,8 @@ class OpenAIRoutes:
                 "finish_reason": "tool_calls" if calls else out.finish_reason,
                 **self._extras(out),
             })  # fmt: skip
-        return web.json_response(self._envelope(request_id, "chat.completion", created, choices, prompt_ids))
+        return web.json_response(self._envelope(request_id, "chat.completion", created, choices, [prompt_ids],
+                                                sampling.n))
 
     def _chat_logprobs(self, out: Output, first: int = 0, last: int | None = None) -> dict:
         """OpenAI's chat logprobs of tokens ``[first, last)``: ``content[{token, logprob, bytes, top_logprobs}]``."""
@@ -307,7 +377,7 @@ class OpenAIRoutes:
 
     # -- streaming --------------------------------------------------------------------------------------------
 
-    async def _stream(self, http: web.Request, seqs: list[Sequence], sampling: Sampling, prompt_ids: list[int],
+    async def _stream(self, http: web.Request, seqs: list[Sequence], sampling: Sampling, prompts: list[list[int]],
                       request_id: str, kind: str, created: int, hold: str | None = None) -> web.StreamResponse:
         """Server-sent events: one chunk per piece of each choice, a last chunk per choice with its
         ``finish_reason`` (and, with tools, its ``tool_calls``), a usage chunk when asked, then ``[DONE]``."""
@@ -327,9 +397,20 @@ class OpenAIRoutes:
             if chat:
                 await send([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
+            echoing = not chat and sampling.echo
+
+            async def echo() -> None:
+                """The echoed prompt, first (as vLLM streams it), once the prefill gave its logprobs."""
+                nonlocal echoing, offset
+                if echoing:
+                    echoing, prompt = False, self._echo(seq, sampling)
+                    offset = len(prompt.text)
+                    await send([{"index": index, "text": prompt.text, "logprobs": prompt.logprobs,
+                                 "finish_reason": None, "token_ids": [], "versions": []}])
 
             async def on_delta(text: str, first: int, last: int) -> None:
                 nonlocal offset
+                await echo()
                 partial = Output.of(seq, last, "", "")
                 choice = {"index": index, "finish_reason": None, "token_ids": partial.token_ids[first:last],
                           "versions": partial.versions[first:last]}
@@ -345,6 +426,7 @@ class OpenAIRoutes:
                 await send([choice])
 
             out = await self._run(seq, sampling, hold, on_delta)
+            await echo()
             last = {"index": index, "finish_reason": out.finish_reason, "logprobs": None}
             if chat:
                 _, calls = split_tool_calls(out.text) if hold else (None, [])
@@ -361,17 +443,19 @@ class OpenAIRoutes:
         except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
             await send_error(response, exc)
             return response
-        served(http, prompt_ids, outputs)
+        served(http, sum(map(len, prompts)), outputs)
         self.server.requests_served += 1
         if sampling.include_usage:
-            await send([], usage=usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)))
+            await send([], usage=usage(sum(map(len, prompts)), sum(len(o.token_ids) for o in outputs)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _envelope(self, request_id: str, kind: str, created: int, choices: list[dict], prompt_ids: list[int]) -> dict:
+    def _envelope(self, request_id: str, kind: str, created: int, choices: list[dict], prompts: list[list[int]],
+                  n: int) -> dict:
+        """A whole response; its usage counts each prompt once (not once per choice), as OpenAI does."""
         return {"id": request_id, "object": kind, "created": created, "model": self.server.model_name,
-                "choices": choices, "usage": usage(len(prompt_ids), sum(len(c["token_ids"]) for c in choices))}
+                "choices": choices, "usage": usage(sum(map(len, prompts)), sum(len(c["token_ids"]) for c in choices))}
 
     # -- /v1/models -------------------------------------------------------------------------------------------
 
@@ -385,13 +469,16 @@ class OpenAIRoutes:
     async def generate(self, http: web.Request) -> web.Response:
         server = self.server
         request = parse(GenerateRequest, parse_json_object(await http.read()))
-        engine = server.engine
+        engine, eos = server.engine, server.model.eos_token_id
         prompt_ids = prompt_token_ids(request.token_ids, engine.vocab_size, None, param="token_ids")
         output_mode = request.output_mode
-        sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, end_ids(server.model))
-        seqs = self._sequences(prompt_ids, sampling)
+        eos = end_ids(server.model)
+        sampling = request.sampling_params.sampling(engine.max_len, engine.vocab_size, eos, eos_token_ids=eos)
+        sampling.clip_max_tokens = True  # a growing multi-turn prompt (verifiers' training client) ends at the
+        # context, as before: never a 400
+        seqs = self._sequences([prompt_ids], sampling)
         outputs = await together(self._run(seq, sampling) for seq in seqs)
-        served(http, prompt_ids, outputs)
+        served(http, len(prompt_ids), outputs)
         server.requests_served += 1
         request_id = request.request_id or uuid.uuid4().hex
         choices = []
@@ -405,11 +492,14 @@ class OpenAIRoutes:
         session = http.headers.get(SESSION_HEADER)
         if session:
             self._record(session, request_id, len(prompt_ids), outputs)
-        return web.json_response({
+        response = {
             "request_id": request_id, "model": server.model_name, "created": int(time.time()),
             "prompt_token_ids": prompt_ids, "choices": choices,
             "usage": usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
-        })  # fmt: skip
+        }  # fmt: skip
+        if sampling.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(seqs[0], sampling.prompt_logprobs)
+        return web.json_response(response)
 
     @staticmethod
     def _generate_logprobs(out: Output) -> dict:

@@ -20,6 +20,7 @@ import re
 import time
 import typing
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -43,6 +44,14 @@ MAX_TOOLS = 128
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest request body (answered 413 beyond it): a full-context token-id prompt is far smaller."""
 MAX_TOP_K = 1 << 30
+MAX_TOKENS = 1 << 30
+"""Bound on ``max_tokens`` as parsed; what fits the context is checked against each prompt (:meth:`Sampling.fit`)."""
+MAX_PROMPTS = 256
+"""Most prompts one completions request may batch."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a ``logit_bias`` value."""
+MAX_PENALTY = 2.0
+"""OpenAI's bound on ``presence_penalty`` and ``frequency_penalty``."""
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 """A seed is a 64-bit integer (what torch's generator takes, ``seed + i`` of choice ``i`` included)."""
 SAMPLING_EPS = 1e-5
@@ -89,6 +98,20 @@ def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
 
+class ContextLengthExceeded(BadRequest):
+    """A prompt and its completion that do not fit the context: OpenAI's ``context_length_exceeded``, worded as
+    OpenAI and vLLM word it ("This model's maximum context length is N tokens", what litellm matches to raise
+    ContextWindowExceededError)."""
+
+    def __init__(self, max_len: int, prompt_tokens: int, max_tokens: int | None):
+        if max_tokens is None:
+            asked, param = f"your prompt has {prompt_tokens} tokens, which leaves no room for a completion", "messages"
+        else:
+            asked, param = (f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                            f"{max_tokens} in the completion)"), "max_tokens"
+        super().__init__(f"This model's maximum context length is {max_len} tokens. However, {asked}. Please reduce "
+                         "the length of the prompt or the completion.", param=param, code="context_length_exceeded")
+
 
 def parse_json_object(raw: bytes) -> dict:
     """A request body that must be one JSON object (UTF-8, nested no deeper than Python's parser allows, every
@@ -125,10 +148,9 @@ def _check_unicode(body: dict) -> None:
 
 
 UNSUPPORTED = {
-    "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
-    "echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
-    "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
-    "service_tier": None, "store": False, "metadata": None, "min_tokens": 0, "repetition_penalty": 1.0,
+    "response_format": {"type": "text"}, "best_of": 1, "suffix": None, "functions": None, "function_call": None,
+    "audio": None, "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
+    "service_tier": None, "store": False, "metadata": None,
 }
 """Standard fields this server does not implement, each with the value that asks for nothing (accepted as if the
 field were absent); any other value is refused with a 400 naming the field. A model that implements one of them
@@ -316,6 +338,42 @@ class Sampling:
     skip_special_tokens: bool = True
     stream: bool = False
     include_usage: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    """vLLM's: the text keeps the stop string that ended it."""
+    echo: bool = False
+    """Completions: the prompt's text (and, with ``logprobs``, its tokens and their logprobs) before each choice's."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the prompt tokens' logprobs, with this many alternatives each; None: not asked."""
+    clip_max_tokens: bool = False
+    """i3core's: a prompt + ``max_tokens`` over the context generates up to it (``finish_reason`` length) instead
+    of a ``context_length_exceeded`` 400 (the orchestrator's client asks for this)."""
+
+    def fit(self, prompt_tokens: int, max_len: int) -> int:
+        """``max_tokens`` for a prompt of ``prompt_tokens``: as many as fit when unset (-1, chat's default), cut
+        to what fits with ``clip_max_tokens``.
+
+        :raises ContextLengthExceeded: the prompt and ``max_tokens`` exceed ``max_len`` (a prompt that generates
+            must leave room for one token; so must one that is only scored, ``max_tokens`` 0, as the engine's
+            cache holds ``max_len`` tokens).
+        """
+        room = max_len - prompt_tokens
+        if self.max_tokens < 0 or (self.clip_max_tokens and room >= 1):
+            if room < 1:
+                raise ContextLengthExceeded(max_len, prompt_tokens, None)
+            max_tokens = room if self.max_tokens < 0 else min(self.max_tokens, room)
+        elif prompt_tokens + max(self.max_tokens, 1) > max_len:
+            raise ContextLengthExceeded(max_len, prompt_tokens, self.max_tokens)
+        else:
+            max_tokens = self.max_tokens
+        if self.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+                             param="min_tokens")
+        return max_tokens
 
     def seed_of(self, i: int) -> int | None:
         """Completion ``i`` of ``n`` samples with its own seed (``seed + i``)."""
@@ -337,7 +395,8 @@ class SamplingFields(RequestModel):
 
     n: int = bounded(1, f"an integer in [1, {MAX_N}]", "Completions of the prompt.", ge=1, le=MAX_N)
     max_tokens: int | None = bounded(None, "an integer in [1, max_len]",
-                                     "Most tokens to generate; at most the server's max_len.", ge=1)
+                                     "Most tokens to generate; with the prompt at most the server's max_len "
+                                     "(else a context_length_exceeded 400).", ge=1, le=MAX_TOKENS)
     temperature: float = bounded(1.0, "a finite number >= 0",
                                  f"0 (or below {SAMPLING_EPS:g}) is greedy; below {MIN_TEMPERATURE:g} is raised "
                                  f"to {MIN_TEMPERATURE:g}.", ge=0)
@@ -353,6 +412,31 @@ class SamplingFields(RequestModel):
         None, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, vocab_size)", "vLLM's extension.",
         max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = bounded(True, "true or false", "vLLM's extension.")
+    ignore_eos: bool = bounded(False, "true or false", "vLLM's: the end-of-sequence token does not stop by default "
+                                                       "(stop_token_ids given still do).")
+    min_tokens: int = bounded(0, "an integer >= 0 and at most max_tokens",
+                              "vLLM's: no stop token is drawn before this many tokens.", ge=0, le=MAX_TOKENS)
+    repetition_penalty: float = bounded(1.0, "a finite number > 0", "vLLM's: a positive logit of a token in the "
+                                        "prompt or completion divided by it, a negative one multiplied.", gt=0)
+    presence_penalty: float = bounded(0.0, f"a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                      "OpenAI's: subtracted once from the logit of a token already generated.",
+                                      ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = bounded(0.0, f"a finite number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                       "OpenAI's: subtracted from a token's logit per time it was generated.",
+                                       ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = bounded(
+        None, f"an object of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        "OpenAI's: added to the logits of those tokens.")
+    include_stop_str_in_output: bool = bounded(False, "true or false", "vLLM's: the text keeps its stop string.")
+    clip_max_tokens: bool = bounded(False, "true or false", "i3core's: max_tokens cut to what fits the context "
+                                                            "instead of a context_length_exceeded 400.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias):
+        if bias and not all(key.lstrip("-").isdigit() and abs(value) <= MAX_LOGIT_BIAS for key, value in bias.items()):
+            raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -374,24 +458,38 @@ class SamplingFields(RequestModel):
         return self.max_tokens
 
     def sampling(self, max_len: int, vocab_size: int, default_stop: list[int], stream: bool = False,
-                 include_usage: bool = False) -> Sampling:
-        """The settings as the engine takes them, checked against the server's ``max_len`` and ``vocab_size``.
+                 include_usage: bool = False, eos_token_ids: Collection[int] = ()) -> Sampling:
+        """The settings as the engine takes them, checked against the server's ``vocab_size``; ``max_tokens`` is
+        checked against each prompt and ``max_len`` by :meth:`Sampling.fit`. ``ignore_eos`` drops
+        ``eos_token_ids`` from the default stop tokens (``stop_token_ids`` given stay as given, as on vLLM).
 
-        :raises BadRequest: ``max_tokens`` above ``max_len``, a stop token id outside the vocabulary.
+        :raises BadRequest: a stop or ``logit_bias`` token id outside the vocabulary.
         """
         max_tokens = self.max_tokens_asked()
-        name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is None:
-            max_tokens = min(self.default_max_tokens(max_len), max_len)
-        elif max_tokens > max_len:
-            raise BadRequest(f"{name} must be an integer in [1, {max_len}] (the server's max_len)", param=name)
+            max_tokens = self.default_max_tokens(max_len)
         stop_ids = default_stop if self.stop_token_ids is None else self.stop_token_ids
         if any(not 0 <= t < vocab_size for t in stop_ids):
             raise BadRequest(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
+        if self.ignore_eos and self.stop_token_ids is None:  # as vLLM: stop_token_ids asked for still stop
+            stop_ids = [t for t in stop_ids if t not in eos_token_ids]
+        bias = {int(token): value for token, value in (self.logit_bias or {}).items()} or None
+        if bias and any(not 0 <= t < vocab_size for t in bias):
+            raise BadRequest(f"logit_bias token ids must be in [0, {vocab_size})", param="logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return Sampling(self.n, max_tokens, effective_temperature(self.temperature), tuple(stop_ids), self.seed,
                         top_p=self.top_p, top_k=max(self.top_k, 0), stop=tuple(stop), logprobs=self.logprobs_asked(),
-                        skip_special_tokens=self.skip_special_tokens, stream=stream, include_usage=include_usage)
+                        skip_special_tokens=self.skip_special_tokens, stream=stream, include_usage=include_usage,
+                        min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        logit_bias=bias, include_stop_str_in_output=self.include_stop_str_in_output,
+                        echo=getattr(self, "echo", False), prompt_logprobs=self.prompt_logprobs_asked(),
+                        clip_max_tokens=self.clip_max_tokens)
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt token (vLLM's ``prompt_logprobs``; -1: the most there are); None: not asked."""
+        asked = getattr(self, "prompt_logprobs", None)
+        return MAX_TOP_LOGPROBS if asked == -1 else asked
 
 
 class StreamingFields(SamplingFields):
@@ -408,39 +506,69 @@ class StreamingFields(SamplingFields):
             raise BadRequest("stream_options needs stream = true", param="stream_options")
         return self
 
-    def stream_sampling(self, max_len: int, vocab_size: int, default_stop: list[int]) -> Sampling:
+    def stream_sampling(self, max_len: int, vocab_size: int, default_stop: list[int],
+                        eos_token_ids: Collection[int] = ()) -> Sampling:
         options = self.stream_options
-        return self.sampling(max_len, vocab_size, default_stop, self.stream, bool(options and options.include_usage))
+        return self.sampling(max_len, vocab_size, default_stop, self.stream, bool(options and options.include_usage),
+                             eos_token_ids)
 
 
 class CompletionRequest(StreamingFields):
-    """``POST /v1/completions`` (OpenAI's legacy completions; one prompt a request)."""
+    """``POST /v1/completions`` (OpenAI's legacy completions): one prompt or a batch of them."""
 
-    prompt: str | list[int] | list[str] = bounded(
-        ..., "a non-empty string or a non-empty list of token ids (one prompt a request)")
+    prompt: str | list[int] | list[str] | list[list[int]] = bounded(
+        ..., f"a non-empty string, a non-empty list of token ids, or a list of at most {MAX_PROMPTS} of either")
+    max_tokens: int | None = bounded(None, "an integer in [1, max_len] (0 with echo: the prompt scored alone)",
+                                     "Most tokens to generate (default 16); with the prompt at most the server's "
+                                     "max_len (else a context_length_exceeded 400).", ge=0, le=MAX_TOKENS)
     logprobs: int | None = bounded(None, f"an integer in [0, {MAX_TOP_LOGPROBS}]",
                                    "Alternatives per token; the sampled token's logprob always.", ge=0,
                                    le=MAX_TOP_LOGPROBS)
+    echo: bool = bounded(False, "true or false", "The prompt (with logprobs: its tokens' logprobs, from the prefill) "
+                                                 "before the completion.")
+    prompt_logprobs: int | None = bounded(None, f"an integer in [-1, {MAX_TOP_LOGPROBS}]",
+                                          "vLLM's: the prompt tokens' logprobs with this many alternatives "
+                                          "(-1: the most).", ge=-1, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not prompt or (isinstance(prompt, list) and isinstance(prompt[0], str)):
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids "
-                             "(one prompt a request)")
+    def _prompts(cls, prompt):
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+        if not 0 < len(batch) <= MAX_PROMPTS or not all(batch):
+            raise ValueError(f"prompt must be a non-empty string, a non-empty list of token ids, or a list of at "
+                             f"most {MAX_PROMPTS} of either")
         return prompt
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens must be an integer in [1, max_len] (0 only with echo)", param="max_tokens")
+        return self
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
 
-    def prompt_ids(self, vocab_size: int, encode) -> list[int]:
-        """The prompt as token ids: a list of ids as given, a string through ``encode``.
+    def prompts(self, vocab_size: int, encode) -> list[list[int]]:
+        """Every prompt of the request as token ids (a string through ``encode``).
 
-        :raises BadRequest: an id outside ``[0, vocab_size)``.
+        :raises BadRequest: an id outside ``[0, vocab_size)``, a string that encodes to nothing.
         """
-        return prompt_token_ids(self.prompt, vocab_size, encode)
+        prompt = self.prompt
+        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
+        prompts = [prompt_token_ids(p, vocab_size, encode) for p in batch]
+        if not all(prompts):
+            raise BadRequest("a prompt encodes to no tokens", param="prompt")
+        return prompts
+
+    def prompt_ids(self, vocab_size: int, encode) -> list[int]:
+        """The one prompt of a request that batches none, as token ids.
+
+        :raises BadRequest: a batch of several, an id outside ``[0, vocab_size)``.
+        """
+        prompts = self.prompts(vocab_size, encode)
+        if len(prompts) > 1:
+            raise BadRequest("this route takes one prompt a request", param="prompt")
+        return prompts[0]
 
 
 def prompt_token_ids(prompt: str | list[int], vocab_size: int, encode, param: str = "prompt") -> list[int]:
@@ -589,7 +717,8 @@ class ChatRequest(StreamingFields):
 
     messages: list[Message] = bounded(..., f"a non-empty list of at most {MAX_MESSAGES} messages", min_length=1,
                                       max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = bounded(None, "an integer in [1, max_len]", "Wins over max_tokens.", ge=1)
+    max_completion_tokens: int | None = bounded(None, "an integer in [1, max_len]", "Wins over max_tokens.", ge=1,
+                                                le=MAX_TOKENS)
     logprobs: bool | None = bounded(None, "true or false")
     top_logprobs: int | None = bounded(None, f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = bounded(None, f'a list of at most {MAX_TOOLS} {{"type": "function", "function": '
@@ -608,7 +737,7 @@ class ChatRequest(StreamingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def default_max_tokens(self, max_len: int) -> int:
-        return max_len  # as many as fit (OpenAI's chat default)
+        return -1  # as many as fit the prompt (OpenAI's chat default): Sampling.fit
 
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -628,8 +757,9 @@ class GenerateSamplingParams(SamplingFields):
 
     logprobs: int | None = bounded(None, f"an integer in [0, {MAX_TOP_LOGPROBS}]", ge=0, le=MAX_TOP_LOGPROBS)
     detokenize: Literal[True] = bounded(True, "true (false is not supported)")
-    ignore_eos: Literal[False] = bounded(False, "false (true is not supported)")
-    include_stop_str_in_output: Literal[False] = bounded(False, "false (true is not supported)")
+    prompt_logprobs: int | None = bounded(None, f"an integer in [-1, {MAX_TOP_LOGPROBS}]",
+                                          "vLLM's: the prompt tokens' logprobs with this many alternatives.", ge=-1,
+                                          le=MAX_TOP_LOGPROBS)
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs

@@ -49,6 +49,7 @@ from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
 from i3core.plugins.inference.observability import CONTENT_TYPE, ServerMetrics, configure_logging, request_log
 from i3core.plugins.inference.openai_api import OpenAIRoutes
+from i3core.plugins.inference.utility_routes import UtilityRoutes
 from i3core.plugins.inference.protocol import (
     MAX_BODY_BYTES,
     BadRequest,
@@ -67,7 +68,7 @@ from i3core.plugins.inference.protocol import (
     report_receiver_stopped,
 )
 from i3core.protocols import Model
-from i3core.weights import connect_receiver, reading
+from i3core.weights import check_max_len, connect_receiver, reading
 
 log = structlog.get_logger("i3core.server")
 
@@ -224,12 +225,11 @@ class Server:
             self.abort(seq)
             raise
 
-    async def follow(self, seq: Sequence) -> AsyncIterator[Sequence]:
-        """Queue ``seq`` and yield it after every step that gave it tokens, last once it finished. Leaving the
-        loop early (a stop string, a client gone) aborts it between two steps.
-
-        Each item is ``(tokens, finish_reason)``: how many tokens ``seq`` had and whether it had finished when
-        that step ended; read ``seq``'s lists only up to ``tokens`` (the engine may already be appending more).
+    async def follow(self, seq: Sequence) -> AsyncIterator[tuple[int, str | None]]:
+        """Queue ``seq`` and yield ``(tokens, finish_reason)`` after every step that gave it tokens, last once it
+        finished: how many tokens ``seq`` had and why it had finished (None: it goes on) when that step ended.
+        Read ``seq``'s lists only up to ``tokens`` (the engine thread may already be appending the next step's).
+        Leaving the loop early (a stop string, a client gone) aborts it between two steps.
 
         :raises EngineFailed: the engine broke. :raises ShuttingDown: the server is shutting down.
         """
@@ -377,6 +377,7 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
     if missing:
         raise I3Error(f"model {type(model).__name__} cannot be served by the builtin server (no "
                       f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
+    check_max_len(model_dir, max_len)
     engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version,
                     tokenizer=model.tokenizer(), extrapolate=extrapolate)
     return Server(engine, model, served_name or str(model_dir))
@@ -441,6 +442,7 @@ def make_app(server: Server, receiver=None, *, admin: bool = True, admin_token: 
                           client_max_size=MAX_BODY_BYTES)
     routes = [
         *OpenAIRoutes(server).routes(),
+        *UtilityRoutes(server).routes(),
         web.get("/health", server.health),
         web.get("/metrics", server.prometheus),
         web.get("/i3/metrics", server.counters),

@@ -79,6 +79,8 @@ def draw_length(rng: random.Random, model: TimingModel) -> int:
 class SimEngine(EngineBase):
     """Continuous batching with modelled step times and bigram tokens; see the module docstring."""
 
+    computes_logits = False
+
     def __init__(self, model: TimingModel, *, vocab_size: int, sample_vocab: int, max_slots: int, max_len: int,
                  version: int = 0, index: int = 0, tokenizer=None):
         super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=vocab_size, version=version,

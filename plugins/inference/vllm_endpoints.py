@@ -181,10 +181,10 @@ class I3Endpoints:
         request = parse(CompletionRequest, body)
         prompt_ids = request.prompt_ids(self.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         sampling = request.sampling(self.max_len, self.vocab_size, self.eos_ids)
-        if len(prompt_ids) >= self.max_len:
-            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) leaves no room under max_len ({self.max_len})")
-        # Like the builtin server: a completion that reaches max_len stops there ("length").
-        sampling.max_tokens = min(sampling.max_tokens, self.max_len - len(prompt_ids))
+        # The orchestrator's route: a completion that reaches max_len stops there ("length"), as on the builtin
+        # server with clip_max_tokens (what the orchestrator's client sends).
+        sampling.clip_max_tokens = True
+        sampling.max_tokens = sampling.fit(len(prompt_ids), self.max_len)
         done = await asyncio.gather(*(self._generate(prompt_ids, sampling, i) for i in range(sampling.n)))
         self.requests_served += 1
         choices = [
@@ -230,7 +230,7 @@ class I3Endpoints:
             return {"status": "ok", "version": self.version}
         from i3core.weights import reading
 
-        path = weights_path(path, self.weight_roots) if self.weight_roots else Path(path)
+        path = str(weights_path(path, self.weight_roots)) if self.weight_roots else path  # the worker takes a str
         try:
             with reading(Path(path)):  # the trainer's pruning waits until the worker has read it
                 if self.lora is not None:
