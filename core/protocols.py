@@ -233,7 +233,7 @@ class Model(Protocol):
 
     Trainer: :meth:`build`, :meth:`parallelize`, :meth:`train_flops`, :meth:`tokenizer` (SFT). Weight sync:
     :meth:`hf_tensors`, :meth:`save_hf`. Builtin server: :meth:`load_hf`, :meth:`tokenizer`,
-    :meth:`render_chat`, :attr:`eos_token_id` (and :attr:`eos_token_ids`), :attr:`end_of_turn_ids`, and the
+    :meth:`render_chat`, :attr:`eos_token_id`, :attr:`end_of_turn_ids`, and the
     module's cached decode
     (:class:`CausalLM`). A model served only by vLLM may leave the builtin server's part out; the builtin
     server then refuses it with one line.
@@ -242,6 +242,10 @@ class Model(Protocol):
     :func:`i3core.packed.attention_mask` does (prefix trees as well as packed samples); the orchestrator then
     packs the completions of one prompt as a tree (``[trainer] share_prompts``). Without it, samples are packed
     side by side.
+
+    Optional: ``eos_token_ids``, every end-of-sequence token (generation_config's ``eos_token_id``, all of them,
+    and the tokenizer's), where every completion stops by default as vLLM stops it (:func:`i3core.text.end_ids`);
+    a model without it stops at :attr:`eos_token_id` alone.
 
     Optional, for a model that trains an adapter on a frozen base (``hf``'s ``[model.lora]``): its module's frozen
     parameters have ``requires_grad`` off, so the trainer's optimizer, checkpoints and versions hold the trainable
@@ -291,12 +295,6 @@ class Model(Protocol):
     @property
     def eos_token_id(self) -> int:
         """The end-of-sequence token: where a plain completion stops by default."""
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """Every end-of-sequence token (generation_config's ``eos_token_id``, all of them, and the tokenizer's):
-        where every completion stops by default, as vLLM stops it (:func:`i3core.text.end_ids`). Optional: a model
-        without it stops at :attr:`eos_token_id` alone."""
 
     @property
     def end_of_turn_ids(self) -> list[int]:

@@ -156,6 +156,23 @@ def abs_logprob_diffs(model, completion):
     return (ref - torch.tensor(completion.logprobs)).abs()
 
 
+ORIGINAL_ENVIRON = dict(os.environ)
+"""The environment pytest started with."""
+
+
+@pytest.fixture(autouse=True)
+def _no_admin_token_from_an_earlier_test(monkeypatch):
+    """An in-process ``i3core run`` puts the run's admin token in this process's environment (its servers and
+    clients inherit it): later tests start from the environment pytest started with."""
+    from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV
+
+    for name in (ADMIN_TOKEN_ENV, API_KEY_ENV):
+        if name in ORIGINAL_ENVIRON:
+            monkeypatch.setenv(name, ORIGINAL_ENVIRON[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _console_logging_reset():
     """A test that configures logging onto its captured stderr must not leave later tests writing to it

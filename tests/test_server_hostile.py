@@ -380,13 +380,13 @@ def test_a_signal_stops_accepting_ends_requests_in_flight_within_the_grace_and_e
     model = tmp_path / "model"
     component = make_component("model", "tiny-moe", **SERVED_MODEL)
     component.save_hf(component.build(seed=0), model)
-    proc, url = start_serve(model, tmp_path / "serve.log", "--shutdown-grace-s", "3")
+    proc, url = start_serve(model, tmp_path / "serve.log", "--shutdown-grace-s", "1")
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
             long = {"prompt": [1, 2, 3], "max_tokens": 1000, "stop_token_ids": [], "temperature": 1.0}
             short = asyncio.create_task(answer(session, "POST", url + "/v1/completions",
-                                               {**PLAIN, "max_tokens": 5, "stop_token_ids": []}, {}))
+                                               {**PLAIN, "max_tokens": 40, "stop_token_ids": []}, {}))
             whole = asyncio.create_task(answer(session, "POST", url + "/v1/completions", long, {}))
 
             async def streamed():
@@ -394,7 +394,9 @@ def test_a_signal_stops_accepting_ends_requests_in_flight_within_the_grace_and_e
                     return response.status, await response.text()
 
             stream = asyncio.create_task(streamed())
+            deadline = time.monotonic() + 60
             while await scrape(url, "vllm:num_requests_running") < 3:
+                assert time.monotonic() < deadline and not short.done(), "the three requests never ran together"
                 await asyncio.sleep(0.02)
             sent = time.monotonic()
             proc.send_signal(sig)
@@ -418,7 +420,7 @@ def test_a_signal_stops_accepting_ends_requests_in_flight_within_the_grace_and_e
             proc.wait()
     assert exited and code == 0, (tmp_path / "serve.log").read_text()
     assert refused == "connection refused"  # no longer accepting
-    assert short[0] == 200 and len(short[1]["choices"][0]["token_ids"]) == 5  # finished within the grace
+    assert short[0] == 200 and len(short[1]["choices"][0]["token_ids"]) == 40  # finished within the grace
     assert whole[0] == 503 and "shutting down" in whole[1]["error"]["message"]  # cut at the grace, answered
     status, text = stream
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
