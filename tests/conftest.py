@@ -156,21 +156,19 @@ def abs_logprob_diffs(model, completion):
     return (ref - torch.tensor(completion.logprobs)).abs()
 
 
-ORIGINAL_ENVIRON = dict(os.environ)
-"""The environment pytest started with."""
-
-
 @pytest.fixture(autouse=True)
-def _no_admin_token_from_an_earlier_test(monkeypatch):
+def _no_admin_token_from_an_earlier_test():
     """An in-process ``i3core run`` puts the run's admin token in this process's environment (its servers and
-    clients inherit it): later tests start from the environment pytest started with."""
+    clients inherit it): after each test the token and the API key are what they were before it."""
     from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV
 
-    for name in (ADMIN_TOKEN_ENV, API_KEY_ENV):
-        if name in ORIGINAL_ENVIRON:
-            monkeypatch.setenv(name, ORIGINAL_ENVIRON[name])
+    before = {name: os.environ.get(name) for name in (ADMIN_TOKEN_ENV, API_KEY_ENV)}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            monkeypatch.delenv(name, raising=False)
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

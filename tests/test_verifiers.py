@@ -31,7 +31,7 @@ from verifiers.v1.utils.loaders import load_environment
 
 from i3core.testing import make_component
 
-from .conftest import i3core_serve
+from .conftest import ADMIN_TOKEN, i3core_serve
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +194,8 @@ def test_train_client_gets_token_ids_logprobs_and_session_versions(offline_uv, s
         async with aiohttp.ClientSession() as session:
             out = []
             for trace_id in ids:
-                async with session.get(f"{url}/inference/v1/sessions/{trace_id}") as response:
+                async with session.get(f"{url}/inference/v1/sessions/{trace_id}",
+                                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as response:
                     assert response.status == 200
                     out.append(await response.json())
             return out
