@@ -400,6 +400,14 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.",
 CALLING = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
+
+async def tool_chat_whole_and_streamed(client, messages):
+    """The scripted model's chat answer with :data:`TOOLS` offered, once whole and once as the streamed chunks."""
+    whole = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0)
+    stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0,
+                                                  stream=True)
+    return whole, [c async for c in stream]
+
 def test_tool_calls_are_parsed_into_message_tool_calls_streamed_or_not(scripted):
     start, set_script = scripted
     messages = [{"role": "user", "content": "2 + 3?"}]
@@ -408,11 +416,7 @@ def test_tool_calls_are_parsed_into_message_tool_calls_streamed_or_not(scripted)
     async def scenario():
         http, client = await start()
         try:
-            whole = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
-                                                         temperature=0)
-            stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
-                                                          temperature=0, stream=True)
-            chunks = [c async for c in stream]
+            whole, chunks = await tool_chat_whole_and_streamed(client, messages)
             set_script(messages, CALLING)  # the same text without tools offered: no calls read out of it
             plain = await client.chat.completions.create(model="scripted", messages=messages, temperature=0)
         finally:
@@ -479,11 +483,7 @@ def test_a_malformed_tool_block_stays_text_streamed_exactly_as_not(scripted, tex
     async def scenario():
         http, client = await start()
         try:
-            whole = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
-                                                         temperature=0)
-            stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
-                                                          temperature=0, stream=True)
-            chunks = [c async for c in stream]
+            whole, chunks = await tool_chat_whole_and_streamed(client, messages)
         finally:
             await client.close()
             await http.close()
