@@ -3,8 +3,8 @@
 Needs a running Slurm cluster whose nodes are named in ``$SLURM_CONF`` and share this filesystem: CI starts three
 nodes on one machine with ``.ci/slurm-cluster`` (docs/deploy.md, "How CI runs its cluster"). Without one the tests
 skip, unless ``I3CORE_REQUIRE_SLURM=1`` makes that a failure. Each scenario is the cluster quickstart: 6 steps of
-reverse-text (no SFT warm start), one builtin server, checkpoints every 2 steps; the trainer, the server and the
-orchestrator each get a node of their own.
+reverse-text (30 for the SIGTERM scenario; no SFT warm start), one builtin server, checkpoints every 2 steps; the
+trainer, the server and the orchestrator each get a node of their own.
 """
 
 import json
@@ -49,12 +49,26 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(_problem is not None, reason=f"Slurm: {_problem}")]
 
 
-@pytest.fixture
-def cluster_config(tmp_path):
-    """The quickstart as the roles run it (one builtin server), 6 steps, checkpoints every 2."""
-    path = role_config(tmp_path, STEPS)
+LONG_STEPS = 30
+"""The SIGTERM scenario's run: long enough that the signal, sent once step 3 is in, lands before the last step
+(6 steps took 3 s on an idle machine, so a 6-step run could be over by the time the test sends it)."""
+
+
+def _cluster_config(tmp_path, steps: int):
+    """The quickstart as the roles run it (one builtin server), ``steps`` steps, checkpoints every 2."""
+    path = role_config(tmp_path, steps)
     path.write_text(path.read_text().replace("[trainer]\n", "[trainer]\ncheckpoint_every = 2\n"))
     return path
+
+
+@pytest.fixture
+def cluster_config(tmp_path):
+    return _cluster_config(tmp_path, STEPS)
+
+
+@pytest.fixture
+def long_cluster_config(tmp_path):
+    return _cluster_config(tmp_path, LONG_STEPS)
 
 
 class Job:
@@ -121,16 +135,16 @@ def jobs():
         job.cancel()
 
 
-def assert_every_step_trained_once(out) -> list[dict]:
+def assert_every_step_trained_once(out, steps: int = STEPS) -> list[dict]:
     """One metrics row per step, the ledger balanced on each, every prompt in at most one step's batch."""
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert_ledger(rows)
-    states = [OrchestratorState.load(out / "orchestrator" / f"step_{s}.json") for s in range(1, STEPS + 1)]
+    states = [OrchestratorState.load(out / "orchestrator" / f"step_{s}.json") for s in range(1, steps + 1)]
     positions = [p for state in states for p in state.batch_positions]
-    assert len(positions) == len(set(positions)) == STEPS * 8  # 8 groups a batch
+    assert len(positions) == len(set(positions)) == steps * 8  # 8 groups a batch
     kept = checkpoint.complete_steps(out / "checkpoints")  # keep_checkpoints = 2 (the default); a SIGTERM (a
-    assert kept[-1] == STEPS and len(kept) == 2               # requeue's too) adds its own checkpoint
+    assert kept[-1] == steps and len(kept) == 2               # requeue's too) adds its own checkpoint
     return rows
 
 
@@ -196,9 +210,9 @@ def test_a_lost_trainer_fails_the_job_and_a_resubmission_resumes(cluster_config,
     assert json.loads((again.out / "ATTEMPT.json").read_text()) == {"attempt": f"{again.id}.0", "step": last}
 
 
-def test_sigterm_before_the_time_limit_checkpoints_and_the_job_requeues_itself(cluster_config, jobs):
+def test_sigterm_before_the_time_limit_checkpoints_and_the_job_requeues_itself(long_cluster_config, jobs):
     """What ``--signal=B:TERM@120`` delivers before a time limit, sent now: SIGTERM to the job script alone."""
-    jobs.append(job := Job(cluster_config))
+    jobs.append(job := Job(long_cluster_config))
     job.wait_for_step(3)
     term = subprocess.run(["scancel", "--signal=TERM", "--batch", job.id], capture_output=True, text=True,
                           timeout=20)
@@ -210,8 +224,8 @@ def test_sigterm_before_the_time_limit_checkpoints_and_the_job_requeues_itself(c
     assert f"i3core: job {job.id} requeues itself" in output
     trainer_log = (job.out / "logs" / f"trainer-{job.id}-0.log").read_text()
     stopped = re.search(r"error: stopped on SIGTERM: checkpoint step_(\d+) written", trainer_log)
-    assert stopped, job.logs()
+    assert stopped and int(stopped.group(1)) < LONG_STEPS, job.logs()
     # the second attempt started from the checkpoint the SIGTERM wrote, not an older one
     assert json.loads((job.out / "ATTEMPT.json").read_text()) == {"attempt": f"{job.id}.1",
                                                                   "step": int(stopped.group(1))}
-    assert_every_step_trained_once(job.out)
+    assert_every_step_trained_once(job.out, LONG_STEPS)
