@@ -15,7 +15,9 @@ tokens; set again after TRL builds its generation config, which adds the tokeniz
 no weight decay, clipping at 1.0), temperature 1, no KL (``beta = 0``), rewards not divided by their std
 (``scale_rewards = "none"``), a token-level loss normaliser (``loss_type = "dapo"``, as i3core's
 ``num_loss_tokens``), no router auxiliary loss (``router_aux_loss_coef = 0``; i3core trains without one) and
-dropout off (TRL's ``disable_dropout``, i3core's ``[trainer] disable_dropout``, its default). Completion lengths are logged per step on both sides
+dropout off (TRL's ``disable_dropout``, i3core's ``[trainer] disable_dropout``, its default), and a completion cut
+at ``max_tokens`` worth what the env's ``truncated`` says (the quickstart's ``"zero"``: reward 0 on both sides;
+``"mask"``: TRL's ``mask_truncated_completions``). Completion lengths are logged per step on both sides
 (i3core's ``completion/mean_tokens``, TRL's ``completions/mean_length``, both counting the stop token) and
 compared. How they differ by design: i3core is asynchronous (up to ``max_async`` steps off policy, IcePop-masked),
 TRL is synchronous and on policy; i3core's trainer computes each prompt once per group (prefix trees), TRL's once
@@ -336,10 +338,14 @@ def trl_train(spec: dict) -> dict:
     stop_ids = [*ends, *(i for s in stops for i in tokenizer.encode(s, add_special_tokens=False))]
     model.generation_config.eos_token_id = stop_ids
 
+    truncated = env.config.truncated  # what i3core's env makes of a completion cut at max_tokens
+
     def reward(prompts, completions, completion_ids, example_id, **_):
         # the text i3core's env scores, made by i3core's one function from the completion's ids (its end id left
-        # out, cut before the stop text), not TRL's own skip_special_tokens text
-        return [env.score(completion_text(i3_tokenizer, ids, stop_token_ids=ends, stop=stops), by_id[i])
+        # out, cut before the stop text), not TRL's own skip_special_tokens text; a completion that never
+        # stopped (no stop id: TRL cuts its ids after the first) is worth 0 where the env says so
+        return [0.0 if truncated == "zero" and (not ids or ids[-1] not in stop_ids) else
+                env.score(completion_text(i3_tokenizer, ids, stop_token_ids=ends, stop=stops), by_id[i])
                 for ids, i in zip(completion_ids, example_id)]
 
     times, rewards, lengths = [], [], []
@@ -367,6 +373,7 @@ def trl_train(spec: dict) -> dict:
             gradient_checkpointing=False,  # TRL's default recomputes activations; i3core keeps them (faster TRL)
             router_aux_loss_coef=0.0,  # i3core trains without the MoE load-balancing loss
             disable_dropout=True,
+            mask_truncated_completions=truncated == "mask",  # the env's `truncated = "mask"`, TRL's way
             **generation_options(setting["generation"], group * prompts_per_step, resolved["inference"]["max_len"]),
         )  # fmt: skip
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,

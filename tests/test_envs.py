@@ -11,6 +11,7 @@ import time
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from i3core.errors import RolloutMasked
 from i3core.plugins.envs import MultiTurnConfig, MultiTurnEnv, Rubric, StatefulToolEnv, ToolConfig, ToolEnv, tool_schema
 from i3core.plugins.envs.base import ENV_TOKEN_VERSION
 from i3core.plugins.envs.chat import ChatML, HFChatTemplate
@@ -138,6 +139,48 @@ def test_single_turn_env_rollout_through_a_scripted_client(tok):
     assert rollout.completion_ids == tok.encode(example.answer + "\n").ids
     assert all(rollout.completion_mask) and set(rollout.completion_versions) == {3}
     assert rollout.oldest_version == 3 and rollout.credit == "episode"
+
+
+@pytest.mark.parametrize("truncated", ["score", "zero", "mask"])
+def test_a_completion_cut_at_max_tokens_is_scored_zeroed_or_masked(tok, truncated):
+    """reverse-text's ratio pays a run-on completion for the letters it holds; ``truncated`` says what a rollout
+    that never ended is worth. One that stopped is scored the same way under every setting."""
+    env = make_component("env", "reverse-text", num_examples=4, max_tokens=8, truncated=truncated)
+    example = env.examples()[0]
+    ended = run(env.rollout(ScriptedClient(tok, [example.answer + "\n"], stop=["\n"]), example))
+    assert ended.finish_reason == "stop" and ended.reward == 1.0
+    run_on = ScriptedClient(tok, [example.answer + "zzzzzzzzzz"], stop=["\n"])
+    if truncated == "mask":
+        with pytest.raises(RolloutMasked) as masked:
+            run(env.rollout(run_on, example))
+        assert masked.value.reason == "truncated" and "max_tokens (8)" in str(masked.value)
+        return
+    rollout = run(env.rollout(run_on, example))
+    assert rollout.finish_reason == "length" and len(rollout.completion_ids) == 8
+    assert rollout.metrics["reward"] > 0  # the rubric's own score is kept as a metric
+    assert (rollout.reward == 0.0) == (truncated == "zero")
+
+
+def test_truncated_zero_also_zeroes_turn_rewards_and_group_rewards(tok):
+    env = guess_env(max_tokens=3, truncated="zero")
+    rollout = run(env.rollout(ScriptedClient(tok, ["7" + END, "12345"]), env.examples()[5]))
+    assert rollout.finish_reason == "length"
+    assert rollout.reward == 0.0 and rollout.turn_rewards == [0.0, 0.0]
+
+    def nothing(completion):
+        return 0.0
+
+    def half_each(completions):
+        return [0.5] * len(completions)
+
+    group_env = make_component("env", "reverse-text", num_examples=4, max_tokens=4, truncated="zero")
+    group_env.rubric = Rubric([nothing])
+    group_env.rubric.add_group_reward_func(half_each)
+    example = group_env.examples()[0]
+    rollouts = [run(group_env.rollout(ScriptedClient(tok, [reply], stop=["\n"]), example))
+                for reply in ["a\n", "abcdefgh"]]
+    run(group_env.score_group(rollouts))
+    assert [r.reward for r in rollouts] == [0.5, 0.0]
 
 
 # -- MultiTurnEnv ----------------------------------------------------------------

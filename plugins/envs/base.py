@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from i3core.errors import RolloutMasked
 from i3core.plugins.envs.rubric import Rubric, Score
 from i3core.protocols import InferenceClient
 from i3core.types import Completion, Example, Rollout
@@ -44,6 +45,11 @@ class EnvConfig(BaseModel):
     credit: Literal["episode", "turn"] = Field(
         "episode", description="Credit assignment: one advantage per rollout (episode), or one per turn from "
                                "per-turn rewards (turn).")  # fmt: skip
+    truncated: Literal["score", "zero", "mask"] = Field(
+        "score", description="A rollout whose last model turn ran out of max_tokens before it ended (finish_reason "
+                             "length): scored as any other (score); reward 0 (zero: not ending is no answer); or "
+                             "left out of training, counted as masked 'truncated' (mask, TRL's "
+                             "mask_truncated_completions).")  # fmt: skip
 
 
 @dataclass
@@ -166,15 +172,25 @@ class Environment(ABC):
             try:
                 await self.setup(state)
                 await self.generate(client, state)
+                if self._truncated(state) and self.config.truncated == "mask":
+                    raise RolloutMasked("truncated", f"no end within max_tokens ({self.config.max_tokens})")
                 score = await self.rubric.score_rollout(state)
             finally:
                 await self.cleanup(state)
         del state["stack"]
         return self.to_rollout(state, score)
 
+    def _truncated(self, state: dict) -> bool:
+        """The last model turn ran out of ``max_tokens`` (and ``truncated`` is not ``score``)."""
+        traj = state["trajectory"]
+        return getattr(self.config, "truncated", "score") != "score" and traj is not None \
+            and traj.finish_reason == "length"
+
     def to_rollout(self, state: dict, score: Score) -> Rollout:
         traj: Trajectory = state["trajectory"]
         turn_rewards = list(state["turn_rewards"])
+        if self._truncated(state):  # truncated = "zero" (a "mask" rollout never gets here)
+            score, turn_rewards = Score(0.0, score.metrics), [0.0] * len(turn_rewards)
         reward = score.reward + sum(turn_rewards)
         if turn_rewards:
             turn_rewards[-1] += score.reward
@@ -202,6 +218,8 @@ class Environment(ABC):
             return
         scores = await self.rubric.score_group([r.state for r in rollouts])
         for rollout, score in zip(rollouts, scores):
+            if self._truncated(rollout.state):  # truncated = "zero": no group-level reward either
+                continue
             rollout.reward += score.reward
             if rollout.turn_rewards:
                 rollout.turn_rewards[-1] += score.reward
