@@ -472,6 +472,8 @@ def compare(i3: dict, trl: dict, margin: float) -> dict:
                                    "trl": round(mean(trl["completion_tokens"]), 2)},
         "completion_tokens_per_step": {"i3core": [round(x, 2) for x in i3["completion_tokens"]],
                                        "trl": [round(x, 2) for x in trl["completion_tokens"]]},
+        "rewards_per_step": {"i3core": [round(x, 4) for x in i3["rewards"]],
+                             "trl": [round(x, 4) for x in trl["rewards"]]},
         "rl_time_s": {"i3core": round(i3["times"][-1], 2), "trl": round(trl["times"][-1], 2)},
         "wall_s": {"i3core": i3["wall_s"], "trl": trl["wall_s"]},
         "cpu_s": {"i3core": i3["cpu_s"], "trl": trl["cpu_s"]},
@@ -611,7 +613,7 @@ def main() -> None:
                     settings = choose_trl(resolved, sft, out, scenario["trial_steps"])
                 trl = run_trl(resolved, sft, out, steps, settings["chosen"])
             runs.append({"seed": seed, **compare(i3, trl, scenario["margin"]), "load_avg": os.getloadavg()[0]})
-            print(json.dumps({name: {k: v for k, v in runs[-1].items() if k != "completion_tokens_per_step"}}),
+            print(json.dumps({name: {k: v for k, v in runs[-1].items() if not k.endswith("_per_step")}}),
                   file=sys.stderr, flush=True)
         result[name] = {**over_seeds(runs), "trl_settings": settings}
     print(json.dumps(result))
