@@ -81,29 +81,6 @@ def test_weights_swap_mid_sequence_and_tokens_carry_the_new_version(builtins):
     assert seq.versions == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-def test_extrapolate_serves_the_next_consecutive_version_one_update_further_and_logprobs_follow_it(builtins):
-    """``extrapolate``: version N after N - 1 is served as W_N + (W_N - W_{N-1}); a version that skips one, or an
-    engine without the option, serves the weights as published; the logprobs are those of the served weights."""
-    w0, w1, w2 = (model(builtins, seed=s).state_dict() for s in range(3))
-    engine = Engine(model(builtins, seed=0), max_slots=2, max_len=64, extrapolate=True)
-    engine.load_state({k: v.clone() for k, v in w1.items()}, version=1)
-    served = engine.model.state_dict()
-    for name, tensor in w1.items():
-        assert torch.allclose(served[name], 2 * tensor - w0[name], atol=1e-6), name
-    seq = engine.add(Request([1, 2, 3], max_tokens=6, seed=0))
-    run_all(engine)
-    ref = teacher_forced_logprobs(engine.model, seq.request.prompt_ids, seq.token_ids)
-    assert (ref - torch.tensor(seq.logprobs)).abs().mean() < 1e-4 and seq.versions == [1] * 6
-    engine.load_state({k: v.clone() for k, v in w2.items()}, version=2)  # from the published W_1, not the served
-    served = engine.model.state_dict()
-    assert all(torch.allclose(served[n], 2 * w2[n] - w1[n], atol=1e-6) for n in w2)
-    engine.load_state({k: v.clone() for k, v in w0.items()}, version=4)  # skipped a version: as published
-    assert all(torch.equal(engine.model.state_dict()[n], w0[n]) for n in w0)
-    plain = Engine(model(builtins, seed=0), max_slots=2, max_len=64)
-    plain.load_state({k: v.clone() for k, v in w1.items()}, version=1)
-    assert all(torch.equal(plain.model.state_dict()[n], w1[n]) for n in w1)
-
-
 def test_abort_frees_the_slot(builtins):
     engine = Engine(model(builtins), max_slots=1, max_len=64)
     seq = engine.add(Request([1, 2], max_tokens=50))

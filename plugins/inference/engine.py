@@ -273,15 +273,11 @@ class Engine(EngineBase):
     """The engine over a model's cached decode: :meth:`add` requests, call :meth:`step` until they finish."""
 
     def __init__(self, model: CausalLM, *, max_slots: int = 32, max_len: int = 512, version: int = 0,
-                 tokenizer=None, extrapolate: bool = False):
+                 tokenizer=None):
         super().__init__(max_slots=max_slots, max_len=max_len, vocab_size=model.vocab_size, version=version,
                          tokenizer=tokenizer)
         self.model = model.eval()
         self.cache = model.new_kv_cache(max_slots, max_len)
-        self.extrapolate = extrapolate
-        """Sample with each version's weights moved one more update along the last one (:meth:`load_state`)."""
-        self._last: tuple[int, dict[str, torch.Tensor]] | None = None
-        """The version swapped in last and its weights as published (what the next extrapolation starts from)."""
         self._tensors = dict(model.named_parameters())
 
     @torch.no_grad()
@@ -393,21 +389,7 @@ class Engine(EngineBase):
         The staged tensors become the live ones (no copy), so the engine stands still only for the swap. A state
         of some of the module's tensors (an adapter on a frozen base, already checked by ``state_dict_from_hf``)
         swaps those alone: the pause is that of the adapter's few tensors, not of the whole module's walk.
-
-        With ``extrapolate``, version N directly after N - 1 is served as ``W_N + (W_N - W_{N-1})``: an
-        asynchronous trainer trains version N + 1 on what N's weights sampled, and one more step along the last
-        update (AdamW's steps, with momentum, change little from one to the next) is closer to N + 1 than N is.
-        The tokens still carry version N and the logprobs of the weights that sampled them, so the loss's
-        importance ratio measures the remaining gap. It costs one pass over the swapped tensors while the engine
-        stands, and the last version's tensors kept beside the live ones.
         """
-        published = state
-        if self.extrapolate:
-            last, previous = self._last or (self.version, self.model.state_dict())  # the first: as it was loaded
-            if last == version - 1:
-                state = {name: torch.lerp(previous[name], tensor, 2.0)  # previous + 2 (tensor - previous)
-                         if tensor.is_floating_point() and name in previous else tensor
-                         for name, tensor in state.items()}
         if state.keys() < self._tensors.keys():
             for name, tensor in state.items():
                 self._tensors[name].data = tensor
@@ -415,8 +397,6 @@ class Engine(EngineBase):
             self.model.load_state_dict(state, assign=True)
             self._tensors = dict(self.model.named_parameters())
         self.version = version
-        if self.extrapolate:
-            self._last = (version, published)
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """One token per sequence from ``hidden`` ``[B, H]`` (after the logits processors), recorded with its logprob

@@ -45,9 +45,6 @@ class LocalSource:
         max_slots: int = Field(128, ge=1, description="Sequences the engine decodes together.")
         max_len: int = Field(256, ge=8, description="Longest prompt + completion, in tokens.")
         threads: int = Field(1, ge=1, description="torch CPU threads of the orchestrator process (the engine's).")
-        extrapolate: bool = Field(
-            False, description="Sample with each version's weights one more update along the last (W_N + W_N - "
-                               "W_{N-1}): closer to the version an asynchronous trainer trains on them.")
 
     def __init__(self, config: Config):
         self.config = config
@@ -70,8 +67,7 @@ class LocalSource:
         spec = model or {"use": "tiny-moe"}
         component = model_component(spec["use"], {k: v for k, v in spec.items() if k != "use"})
         self.server = builtin_server(Path(model_dir), component, max_slots=self.config.max_slots,
-                                     max_len=self.config.max_len, version=version, served_name="local",
-                                     extrapolate=self.config.extrapolate)
+                                     max_len=self.config.max_len, version=version, served_name="local")
         return [LOCAL_URL]
 
     def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()) -> "LocalClient":

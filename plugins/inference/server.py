@@ -367,9 +367,9 @@ def model_component(name: str, options: dict, plugins=None) -> Model:
 
 
 def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int,
-                   served_name: str | None = None, extrapolate: bool = False) -> Server:
+                   served_name: str | None = None) -> Server:
     """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
-    directory ``model_dir`` (``extrapolate``: see :meth:`Engine.load_state`).
+    directory ``model_dir``.
 
     :raises I3Error: the model cannot be served by the builtin engine (it has no cached decode).
     """
@@ -379,7 +379,7 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
                       f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
     check_max_len(model_dir, max_len)
     engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version,
-                    tokenizer=model.tokenizer(), extrapolate=extrapolate)
+                    tokenizer=model.tokenizer())
     return Server(engine, model, served_name or str(model_dir))
 
 
