@@ -9,8 +9,9 @@ On a Qwen3 of about 100M parameters built from config (examples/make_hf_model.py
 - ``update_pause_ms``: the builtin engine (the one behind the builtin server and ``local``) decoding
   ``--sequences`` sequences while each version is swapped in between two decode steps: the mean time it stands
   still (``Engine.load_state``, what the server's ``update_pause_s`` counts);
-- ``reward``: the quickstart's problem on an ``hf`` model (examples/hf_model.toml, its small Qwen3, SFT warm start
-  then ``--rl-steps`` RL steps), the mean reward of the last five steps.
+- ``reward``: the quickstart's problem on an ``hf`` model (examples/hf_model.toml, its small Qwen3): the SFT warm
+  start once, in full; from its output ``--rl-steps`` RL steps in full and with the adapter; the mean reward of
+  the last five steps of each.
 
 Each is ``{"full": ..., "lora": ...}``; ``ratios`` are lora / full. ``lora_serving`` compares the two ways an engine
 can apply an adapter: low-rank terms in the forward (what the engine does: a swap moves the adapter's tensors
@@ -23,6 +24,7 @@ import importlib.util
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -159,18 +161,31 @@ def scratch(layer, like: torch.Tensor) -> torch.Tensor:
     return _SCRATCH.setdefault(id(layer), torch.empty_like(like))
 
 
-def reward(lora: bool, args) -> float:
-    """Mean reward of the last five RL steps of examples/hf_model.toml on its small Qwen3."""
+def sft_base(work: Path, args) -> Path:
+    """examples/hf_model.toml's small Qwen3 after its SFT warm start in full (version 0 of a one-step run): the base
+    both sides of the reward comparison start RL from, as a user would put an adapter on a model that already
+    answers in the task's format (an adapter alone on random weights learns the format too slowly to compare)."""
+    directory = make_hf_model(work / "qwen3")
+    out = work / "sft-run"
+    sets = [f"model.path='{directory}'", f"run.output_dir='{out}'", f"run.seed={args.seed}", "run.max_steps=1",
+            "weight_sync.keep=4"]
+    subprocess.run([sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run",
+                    str(ROOT / "examples" / "hf_model.toml"), *(a for s in sets for a in ("--set", s))], check=True)
+    return out / "broadcasts" / "step_0"
+
+
+def reward(lora: bool, base: Path, args) -> float:
+    """Mean reward of the last five of ``--rl-steps`` RL steps of examples/hf_model.toml from ``base`` (no more SFT):
+    every parameter trained, or a ``[model.lora]`` adapter at ``--lora-lr-scale`` times the learning rate."""
     with tempfile.TemporaryDirectory() as tmp:
-        directory = make_hf_model(Path(tmp) / "qwen3")
         config = (ROOT / "examples" / "hf_model.toml").read_text()
         if lora:
             config += "\n[model.lora]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in LORA.items())
         path = Path(tmp) / "config.toml"
         path.write_text(config)
-        sets = [f"model.path='{directory}'", f"run.max_steps={args.rl_steps}"]
+        sets = [f"model.path='{base}'", f"run.max_steps={args.rl_steps}", "sft.steps=0"]
         if lora:
-            sets += [f"optimizer.lr={5e-4 * args.lora_lr_scale}", f"sft.lr={3e-3 * args.lora_lr_scale}"]
+            sets.append(f"optimizer.lr={5e-4 * args.lora_lr_scale}")
         _, rows = run_config(path, args.seed, *sets)
     return statistics.mean(r["reward/mean"] for r in rows[-5:])
 
@@ -185,9 +200,9 @@ def main() -> None:
     parser.add_argument("--swap-every", type=int, default=4, help="decode steps between two swaps")
     parser.add_argument("--decode-steps", type=int, default=5, help="decode steps timed per serving mode and round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the serving comparison")
-    parser.add_argument("--rl-steps", type=int, default=30, help="RL steps of the reward comparison (0: skip it)")
+    parser.add_argument("--rl-steps", type=int, default=60, help="RL steps of the reward comparison (0: skip it)")
     parser.add_argument("--lora-lr-scale", type=float, default=5.0,
-                        help="LoRA's learning rates (SFT and RL) as a multiple of full fine-tuning's")
+                        help="LoRA's RL learning rate as a multiple of full fine-tuning's")
     parser.add_argument("--seed", type=int, default=0, help="run.seed of the reward comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -211,8 +226,10 @@ def main() -> None:
     report = {name: {kind: round(results[kind][key], 4) for kind in ("full", "lora")} for name, key in keys.items()}
     ratios = {name: round(v["lora"] / v["full"], 4) for name, v in report.items()}
     if args.rl_steps:
-        report["reward"] = {"full": round(reward(False, args), 4), "lora": round(reward(True, args), 4),
-                            "rl_steps": args.rl_steps, "lora_lr_scale": args.lora_lr_scale}
+        with tempfile.TemporaryDirectory() as tmp:
+            base = sft_base(Path(tmp), args)
+            report["reward"] = {"full": round(reward(False, base, args), 4), "lora": round(reward(True, base, args), 4),
+                                "rl_steps": args.rl_steps, "lora_lr_scale": args.lora_lr_scale}
     goals = {"trainer_peak_rss_mb": ratios["trainer_peak_rss_mb"] <= 0.5,
              "publish_bytes_per_version": ratios["publish_bytes_per_version"] <= 0.02,
              "update_pause_ms": ratios["update_pause_ms"] <= 0.2, "steps_per_s": ratios["steps_per_s"] >= 1.2}
