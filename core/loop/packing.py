@@ -141,31 +141,36 @@ def pack(samples: list[Sample], seq_len: int, share_prompts: bool = False) -> Tr
         else:
             rows.append([unit])
             free.append(seq_len - n)
-    shape = (len(rows), seq_len)
-    input_ids = torch.full(shape, PAD_ID, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.bool)
-    advantages = torch.zeros(shape)
-    inference_logprobs = torch.zeros(shape)
-    sequence_ids = torch.full(shape, len(samples), dtype=torch.long)  # padding: one extra, empty sample
-    versions = torch.full(shape, -1, dtype=torch.long)
-    for r, units_in_row in enumerate(rows):
-        at = 0
+    # Each field's rows are built as Python lists and become one tensor each: a tensor per sample and field cost
+    # the orchestrator several ms a quickstart step, on the event loop the engine's thread shares the GIL with.
+    fields = {"input_ids": [], "position_ids": [], "loss_mask": [], "advantages": [], "inference_logprobs": [],
+              "sequence_ids": [], "versions": []}
+    for units_in_row in rows:
+        row = {name: [] for name in fields}
         for shared, members in units_in_row:
             for k, index in enumerate(members):
                 s = samples[index]
                 skip = 0 if k == 0 else shared  # the first member carries the shared prompt, the others follow it
                 n = len(s.token_ids) - skip
-                span = slice(at, at + n)
-                input_ids[r, span] = torch.tensor(s.token_ids[skip:], dtype=torch.long)
-                position_ids[r, span] = torch.arange(skip, skip + n)
-                loss_mask[r, span] = torch.tensor(s.loss_mask[skip:], dtype=torch.bool)
-                advantages[r, span] = (s.advantage if s.token_advantages is None
-                                       else torch.tensor(s.token_advantages[skip:], dtype=torch.float32))
-                inference_logprobs[r, span] = torch.tensor(s.inference_logprobs[skip:], dtype=torch.float32)
-                sequence_ids[r, span] = index
-                versions[r, span] = torch.tensor(s.versions[skip:], dtype=torch.long)
-                at += n
-        position_ids[r, at:] = torch.arange(seq_len - at)
+                row["input_ids"] += s.token_ids[skip:]
+                row["position_ids"] += range(skip, skip + n)
+                row["loss_mask"] += s.loss_mask[skip:]
+                row["advantages"] += ([float(s.advantage)] * n if s.token_advantages is None
+                                      else s.token_advantages[skip:])
+                row["inference_logprobs"] += s.inference_logprobs[skip:]
+                row["sequence_ids"] += [index] * n
+                row["versions"] += s.versions[skip:]
+        pad = seq_len - len(row["input_ids"])
+        for name, value in (("input_ids", PAD_ID), ("loss_mask", False), ("advantages", 0.0),
+                            ("inference_logprobs", 0.0), ("sequence_ids", len(samples)), ("versions", -1)):
+            row[name] += [value] * pad  # padding: one extra, empty sample; positions restart at 0
+        row["position_ids"] += range(pad)
+        for name in fields:
+            fields[name].append(row[name])
+    dtypes = {"input_ids": torch.long, "position_ids": torch.long, "loss_mask": torch.bool,
+              "advantages": torch.float32, "inference_logprobs": torch.float32, "sequence_ids": torch.long,
+              "versions": torch.long}
+    input_ids, position_ids, loss_mask, advantages, inference_logprobs, sequence_ids, versions = (
+        torch.tensor(fields[name], dtype=dtypes[name]).reshape(len(rows), seq_len) for name in fields)
     return TrainBatch(input_ids, position_ids, loss_mask, advantages, inference_logprobs, sequence_ids, versions,
                       num_samples=len(samples))

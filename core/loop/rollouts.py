@@ -81,6 +81,8 @@ class RolloutLog:
         self.keep, self.max_bytes = keep, max_bytes
         self.pending: list[dict] = []
         self._warned = False
+        self._sizes: dict[int, int] | None = None
+        """``{step: bytes}`` of the files in the folder, read once (a resumed run's too), then kept up to date."""
 
     def add(self, line: dict) -> None:
         if self.keep:
@@ -94,17 +96,20 @@ class RolloutLog:
             return lines
         self.folder.mkdir(parents=True, exist_ok=True)
         data = "".join(json.dumps(line, default=str) + "\n" for line in lines).encode()
+        if self._sizes is None:
+            self._sizes = {n: path.stat().st_size for n, path in step_files(self.folder).items()}
         atomic_write_bytes(self.folder / f"step_{step}.jsonl", data)
+        self._sizes[step] = len(data)
         self._cap()
         return lines
 
     def _cap(self) -> None:
-        files = sorted(step_files(self.folder).items())
-        total = sum(path.stat().st_size for _, path in files)
-        while total > self.max_bytes and len(files) > 1:
-            _, oldest = files.pop(0)
-            total -= oldest.stat().st_size
-            oldest.unlink()
+        """Delete the oldest step files while the folder is over ``max_bytes`` (the newest one always stays)."""
+        total = sum(self._sizes.values())
+        while total > self.max_bytes and len(self._sizes) > 1:
+            oldest = min(self._sizes)
+            total -= self._sizes.pop(oldest)
+            (self.folder / f"step_{oldest}.jsonl").unlink(missing_ok=True)
             if not self._warned:
                 self._warned = True
                 log.warning("rollouts/ is over [run] rollouts_max_mb: deleting the oldest step files",
