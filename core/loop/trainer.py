@@ -167,8 +167,19 @@ class PublishedWeights:
         return trainer._unsharded_model(state) if trainer.rank == 0 else None
 
     def save_hf(self, model, directory: Path) -> None:
-        """Write ``model`` (from :meth:`gather`) as an HF directory."""
-        self._trainer.model_component.save_hf(model, directory)
+        """Write ``model`` (from :meth:`gather`) as an HF directory: an adapter's own, or with
+        :attr:`Trainer.publish_merged` the base with the adapter merged into it (PEFT's merge, the base read from
+        its directory at every version)."""
+        component = self._trainer.model_component
+        if not self._trainer.publish_merged:
+            component.save_hf(model, directory)
+            return
+        adapter = Path(directory).with_name(f".{Path(directory).name}.adapter")
+        shutil.rmtree(adapter, ignore_errors=True)
+        try:
+            component.save_merged(component.save_hf(model, adapter), directory)
+        finally:
+            shutil.rmtree(adapter, ignore_errors=True)
 
     def hf_tensors(self):
         """``(hf_name, tensor)`` in the HF layout, layer by layer, gathered as they go (full tensors on every rank)."""
@@ -197,6 +208,11 @@ class Trainer:
         self.trained = checkpoint.trained_names(self.model)
         """Names of the tensors training changes, when the model freezes some (an adapter on a frozen base):
         checkpoints and published versions hold those alone. None: every tensor."""
+        source = config.get("inference")
+        merged = getattr(source.component.cls, "merged_adapter", None) if source is not None else None
+        self.publish_merged = self.trained is not None and callable(merged) and merged(config.get("model").to_dict())
+        """Publish each version as the base with the adapter merged, when the servers cannot take an adapter on
+        this base (vLLM on a mixture-of-experts base: ``VllmSource.merged_adapter``)."""
         if config.trainer.disable_dropout:
             off = disable_dropout(self.model)
             if off:

