@@ -104,6 +104,15 @@ class Job:
                 pytest.fail(f"job {self.id}: not {what} in {timeout:.0f}s ({info.get('JobState')}): {self.logs()}")
             time.sleep(poll_s)
 
+    def role_step(self, role: str) -> str:
+        """The id of the job step running ``role`` (``trainer``, ...): the job's sruns start together, so which
+        of them is step 0 is a race; the job script names each step after its role."""
+        text = subprocess.run(["squeue", "-h", "-s", "-j", self.id, "-o", "%i %j"], capture_output=True, text=True,
+                              timeout=20).stdout
+        steps = [line.split()[0] for line in text.splitlines() if line.split()[1:] == [role]]
+        assert len(steps) == 1, f"job {self.id}: steps {text!r}"
+        return steps[0]
+
     def wait_for_step(self, step: int) -> None:
         self.wait(lambda info: len(read_metrics(self.out)) >= step, f"at step {step}", poll_s=0.2)
 
@@ -195,7 +204,8 @@ def test_a_requeued_job_trains_every_step_exactly_once(long_cluster_config, jobs
 def test_a_lost_trainer_fails_the_job_and_a_resubmission_resumes(long_cluster_config, jobs):
     jobs.append(job := Job(long_cluster_config))
     job.wait_for_step(3)
-    kill = subprocess.run(["scancel", "--signal=KILL", f"{job.id}.0"], capture_output=True, text=True, timeout=20)
+    kill = subprocess.run(["scancel", "--signal=KILL", job.role_step("trainer")], capture_output=True, text=True,
+                          timeout=20)
     assert kill.returncode == 0, kill.stderr
     info = job.finish()
     assert info["JobState"] == "FAILED", job.logs()
