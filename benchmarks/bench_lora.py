@@ -24,7 +24,6 @@ import importlib.util
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -167,10 +166,8 @@ def sft_base(work: Path, args) -> Path:
     answers in the task's format (an adapter alone on random weights learns the format too slowly to compare)."""
     directory = make_hf_model(work / "qwen3")
     out = work / "sft-run"
-    sets = [f"model.path='{directory}'", f"run.output_dir='{out}'", f"run.seed={args.seed}", "run.max_steps=1",
-            "weight_sync.keep=4"]
-    subprocess.run([sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run",
-                    str(ROOT / "examples" / "hf_model.toml"), *(a for s in sets for a in ("--set", s))], check=True)
+    run_config(ROOT / "examples" / "hf_model.toml", args.seed, f"model.path='{directory}'", "run.max_steps=1",
+               "weight_sync.keep=4", out=out)
     return out / "broadcasts" / "step_0"
 
 

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 
-def run_config(config: Path, seed: int, *sets: str) -> tuple[float, list[dict]]:
-    """``i3core run CONFIG`` in a fresh output directory with ``run.seed = seed`` and ``--set`` overrides ``sets``;
-    its wall time in seconds and its metrics.jsonl rows."""
+def run_config(config: Path, seed: int, *sets: str, out: Path | None = None) -> tuple[float, list[dict]]:
+    """``i3core run CONFIG`` in a fresh output directory (``out``, kept; else a temporary one) with ``run.seed =
+    seed`` and ``--set`` overrides ``sets``; its wall time in seconds and its metrics.jsonl rows."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
+        out = Path(tmp) / "run" if out is None else Path(out)
         start = time.perf_counter()
         overrides = [f"run.output_dir='{out}'", f"run.seed={seed}", *sets]
         subprocess.run([sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(config),
