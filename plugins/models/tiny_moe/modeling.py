@@ -135,7 +135,8 @@ class CacheRead:
         """``[B, kv_heads, length, D]`` of a layer's ``[slots, kv_heads, max_len, D]`` cache."""
         if isinstance(self.rows, slice):
             return cache[self.rows, :, : self.length]
-        return cache.index_select(0, self.rows)[:, :, : self.length]  # whole rows: a contiguous copy is faster
+        # the live entries alone (length of max_len), copied contiguous: the attention's reshape reads them as is
+        return cache[:, :, : self.length].index_select(0, self.rows)
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
