@@ -20,8 +20,9 @@ event loop: one doing I/O should be ``async``.
 """
 
 import asyncio
+import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +53,14 @@ class RewardFunc:
     name: str
     group: bool
 
+    @functools.cached_property
+    def parameters(self) -> Mapping[str, inspect.Parameter]:
+        """``func``'s parameters (read once: ``inspect.signature`` costs more than a cheap reward itself)."""
+        return inspect.signature(self.func).parameters
+
     def wanted(self, available: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments ``func`` declares, from ``available``."""
-        params = inspect.signature(self.func).parameters
+        params = self.parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return dict(available)
         unknown = [n for n, p in params.items() if n not in available and p.default is inspect.Parameter.empty]

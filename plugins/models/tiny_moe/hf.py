@@ -13,17 +13,17 @@ v5's fused ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj
 v5's ``num_local_experts``).
 """
 
+import functools
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
-from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, PAD, build_tokenizer, save_tokenizer, token_id
-from i3core.weights import read_hf_tensors
+from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, PAD, build_tokenizer, token_id, tokenizer_files
+from i3core.weights import read_hf_tensors, write_safetensors
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MODULE_TO_HF = ((re.compile(r"^blocks\.(\d+)\.attn\."), r"model.layers.\1.self_attn."),
@@ -149,11 +149,13 @@ def iter_hf_tensors(model: TinyMoEModel) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{prefix}.self_attn.{name}.weight", _full(getattr(block.attn, name).weight)
         yield f"{prefix}.post_attention_layernorm.weight", _full(block.post_attn_norm.weight)
         yield f"{prefix}.mlp.gate.weight", _full(block.moe.router.weight)
-        gate_up, down = _full(block.moe.gate_up), _full(block.moe.down)
+        # one transposing copy per stack: [E, 2I, H] and [E, H, I], whose per-expert slices are contiguous already
+        gate_up = _full(block.moe.gate_up).transpose(1, 2).contiguous()
+        down = _full(block.moe.down).transpose(1, 2).contiguous()
         for e in range(gate_up.shape[0]):
-            yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", gate_up[e, :, :inter].T.contiguous()
-            yield f"{prefix}.mlp.experts.{e}.up_proj.weight", gate_up[e, :, inter:].T.contiguous()
-            yield f"{prefix}.mlp.experts.{e}.down_proj.weight", down[e].T.contiguous()
+            yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", gate_up[e, :inter]
+            yield f"{prefix}.mlp.experts.{e}.up_proj.weight", gate_up[e, inter:]
+            yield f"{prefix}.mlp.experts.{e}.down_proj.weight", down[e]
     yield "model.norm.weight", _full(model.norm.weight)
     if not model.cfg.tie_word_embeddings:
         yield "lm_head.weight", _full(model.lm_head.weight)
@@ -254,11 +256,19 @@ def save_hf(model: TinyMoEModel, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
-    (path / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
-    tensors = {name: t.to(torch.float32).contiguous() for name, t in iter_hf_tensors(model)}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    save_tokenizer(build_tokenizer(), path)
+    for name, text in _fixed_files().items():
+        (path / name).write_text(text)
+    tensors = {name: t.to(torch.float32) for name, t in iter_hf_tensors(model)}
+    write_safetensors(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+@functools.cache
+def _fixed_files() -> dict[str, str]:
+    """The files every version holds the same: generation_config.json and the tokenizer's (built once, as every
+    step's publish writes them)."""
+    return {"generation_config.json": json.dumps(generation_config(), indent=2) + "\n",
+            **tokenizer_files(build_tokenizer())}
 
 
 def read_hf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -76,7 +76,12 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
     """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that ``AutoTokenizer`` reads: the chat template,
     and ``<|im_end|>`` as its eos, the token that ends an assistant turn (as a Qwen3 chat model's tokenizer says:
     chat renderers cut turns there and vLLM stops there)."""
-    tokenizer.save(str(path / "tokenizer.json"))
+    for name, text in tokenizer_files(tokenizer).items():
+        (path / name).write_text(text)
+
+
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, str]:
+    """What :func:`save_tokenizer` writes: file name -> text."""
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": IM_END,
@@ -85,7 +90,8 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"tokenizer.json": tokenizer.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
 def token_id(token: str) -> int:
