@@ -476,10 +476,9 @@ class Orchestrator:
     async def _watch_trainer(self) -> None:
         step = self.step  # 1, or the first step after the checkpoint a resumed run continues from
         while step <= self.max_steps:
-            metrics_path = self.paths.trainer_metrics(step)
-            if not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
+            metrics_path = self.paths.trainer_metrics(step)  # built once a step, polled every TRAINER_POLL_S
+            while not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
                 await asyncio.sleep(TRAINER_POLL_S)
-                continue
             trainer_metrics = json.loads(metrics_path.read_text())
             served = step - self.scheduler.weight_update_lag
             if served > self.served_version:
