@@ -123,14 +123,15 @@ SAFETENSORS_DTYPES = {
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write CPU ``tensors`` as one safetensors file (what ``safetensors.torch.load_file`` reads back): the 8-byte
+    """Write ``tensors`` as one safetensors file (what ``safetensors.torch.load_file`` reads back): the 8-byte
     header length, the JSON header (padded to 8 bytes), then each tensor's bytes in order, written straight from
     the tensors' memory (``safetensors.torch.save_file`` copies every tensor to a bytes object first; a version of
-    the quickstart's model is written in 2.7 ms instead of 3.8). A non-contiguous tensor is copied first."""
+    the quickstart's model is written in 2.7 ms instead of 3.8). Tensors may share storage (views of one copy); a
+    non-contiguous one is copied first, one on another device is brought to the CPU."""
     header: dict = {} if metadata is None else {"__metadata__": metadata}
     parts, offset = [], 0
     for name, tensor in tensors.items():
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().cpu().contiguous()
         size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + size]}

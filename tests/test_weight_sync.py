@@ -11,7 +11,7 @@ import torch
 
 from i3core.plugins.models.tiny_moe.hf import iter_hf_tensors
 from i3core.plugins.weight_sync.broadcast import Receiver, Sender, layer_chunks
-from i3core.weights import STABLE, VersionGone, reading
+from i3core.weights import STABLE, VersionGone, reading, write_safetensors
 from i3core.testing import make_component
 
 
@@ -21,6 +21,26 @@ def _save_bytes(data: str):
         (directory / "model.safetensors").write_text(data)
 
     return save
+
+
+def test_write_safetensors_is_read_back_by_safetensors(tmp_path):
+    """Views of one storage, a transposed (non-contiguous) tensor, a scalar, an empty tensor and several dtypes come
+    back from safetensors' own reader as they were written, with the metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    stack = torch.randn(4, 6)
+    tensors = {"first": stack[:2], "second": stack[2:], "transposed": torch.randn(3, 5).T, "scalar": torch.tensor(3.5),
+               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False]), "half": torch.randn(7).bfloat16(),
+               "ids": torch.arange(5)}
+    path = tmp_path / "model.safetensors"
+    write_safetensors(tensors, path, metadata={"format": "pt"})
+    back = load_file(str(path))
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    with safe_open(str(path), "pt") as file:
+        assert file.metadata() == {"format": "pt"}
 
 
 def test_write_marks_stable_and_keeps_the_newest(builtins, tmp_path):

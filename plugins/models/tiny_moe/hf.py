@@ -139,6 +139,7 @@ def iter_hf_tensors(model: TinyMoEModel) -> Iterator[tuple[str, torch.Tensor]]:
 
     On an FSDP2-sharded model every rank must iterate in step: each parameter is
     gathered when its turn comes, so no rank holds more than one layer unsharded.
+    A layer's experts are views of one transposed copy of its stack (contiguous each, sharing that copy's storage).
     """
     yield "model.embed_tokens.weight", _full(model.embed.weight)
     inter = model.cfg.moe_intermediate_size
