@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from i3core.plugins.inference.engine import Engine, Request, Sequence, _draw, _truncate, process_logits, sample
+from i3core.plugins.inference.engine import Engine, Request, Sequence, _truncate, draw, process_logits, sample
 from i3core.testing import make_component
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
@@ -87,15 +87,15 @@ def test_unseeded_rows_draw_from_their_distribution_never_a_token_of_probability
     cannot be sampled raises (the caller fails it alone)."""
     torch.manual_seed(0)
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]]).expand(20_000, 5)
-    frequencies = torch.bincount(_draw(probs), minlength=5) / 20_000
+    frequencies = torch.bincount(draw(probs), minlength=5) / 20_000
     assert frequencies[1] == frequencies[4] == 0
     assert (frequencies - probs[0]).abs().max() < 0.02
-    monkeypatch.setattr(torch, "rand", lambda shape: torch.ones(shape))  # the top of [0, 1): u == the total
-    assert _draw(probs[:2]).tolist() == [3, 3]
+    monkeypatch.setattr(torch, "rand", lambda shape, generator=None: torch.ones(shape))  # the top of [0, 1): u == the total
+    assert draw(probs[:2]).tolist() == [3, 3]
     monkeypatch.undo()
     for bad in ([[float("nan"), 0.5]], [[0.0, 0.0]], [[float("inf"), 0.0]]):
         with pytest.raises(ValueError, match="not finite or sum to 0"):
-            _draw(torch.tensor(bad))
+            draw(torch.tensor(bad))
 
 
 def test_abort_frees_the_slot(builtins):
