@@ -67,6 +67,11 @@ class TrainerSection(BaseModel):
     share_prompts: bool = Field(
         True, description="Pack the completions of one prompt as a prefix tree (the prompt computed once), where the "
                           "model component supports it (its prefix_trees attribute; tiny-moe and hf do).")
+    stream_groups: bool = Field(
+        False, description="Hand the trainer a batch's finished groups while the rest still generate: it runs their "
+                           "forward and backward at once and steps when the batch is whole. Pays off where generation "
+                           "is the slower half (long completions), above all with scheduler.max_sample_lag = 0: "
+                           "on-policy batches with most of the training under the generation.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     disable_dropout: bool = Field(
         True, description="Train with every dropout and router jitter of the model off (the engine samples without "

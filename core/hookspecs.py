@@ -172,7 +172,8 @@ def i3_on_batch(batch, step):
     """A packed training batch is ready for the trainer.
 
     Called by the orchestrator once per trainer step, after packing and before
-    the batch is handed to the trainer.
+    the batch is handed to the trainer (with ``[trainer] stream_groups``, the
+    trainer may have started on its first ``batch.streamed_rows`` rows).
 
     :param batch: the :class:`i3core.types.TrainBatch`; treat it as read-only.
     :param step: the trainer step (``int``, from 1) that will consume it.

@@ -23,7 +23,12 @@ class LossInputs:
         prompt, tool and env tokens.
     :ivar sequence_ids: ``[T]`` int, which sample each token belongs to.
     :ivar num_loss_tokens: the global normaliser (loss tokens across
-        micro-batches and ranks); ``None`` means ``loss_mask.sum()``.
+        micro-batches and ranks); ``None`` means ``loss_mask.sum()``. On a
+        batch handed over in parts (``[trainer] stream_groups``) the total is
+        not known until the last part: the trainer passes 1 and divides the
+        gradients by the total once it is, so a loss must be linear in
+        ``1 / num_loss_tokens`` (a sum over tokens or samples divided by it,
+        as every loss additive over micro-batches is).
     """
 
     trainer_logprobs: torch.Tensor
@@ -137,6 +142,8 @@ class TrainBatch:
     versions: torch.Tensor
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    streamed_rows: int = 0
+    """Leading rows the trainer was handed earlier, as the batch's parts (``[trainer] stream_groups``)."""
 
     @property
     def num_loss_tokens(self) -> int:

@@ -48,11 +48,11 @@ from i3core.loop.checkpoint import OrchestratorState
 from i3core.errors import EngineFailed, I3Error, RolloutMasked, ServerError
 from i3core.loop.events import end_step, group_kept
 from i3core.files import atomic_torch_save
-from i3core.loop.packing import assign_advantages, pack, sample_from_rollout
+from i3core.loop.packing import assign_advantages, concat, pack, sample_from_rollout
 from i3core.sandbox.pool import SandboxPool, check_env_has_sandboxes
 from i3core.loop.paths import RunPaths
 from i3core.loop import rollouts as rollout_log
-from i3core.types import Example, Group, Rollout
+from i3core.types import Example, Group, Rollout, TrainBatch
 
 log = structlog.get_logger("i3core.orchestrator")
 
@@ -192,6 +192,10 @@ class Orchestrator:
         self._open: set[OpenGroup] = set()
         self._scoring: dict[asyncio.Task, OpenGroup] = {}
         self._ready: list[Group] = []
+        self._streamed: list[Group] = []
+        """Groups of the batch of ``self.step`` already handed to the trainer as parts (``stream_groups``)."""
+        self._parts: list[TrainBatch] = []
+        """Those parts, in the order they were written."""
         self._to_redraw: set[int] = set() if self.resume is None else set(self.resume.redraw)
         """Positions a resumed run has still to draw again (saved again if it is checkpointed before)."""
         self._next_position = 0 if self.resume is None else self.resume.next_position
@@ -274,7 +278,7 @@ class Orchestrator:
                 self._start(job)
         size = self.scheduler.group_size
         while len(self._running) + len(self._pending) < self.scheduler.rollout_slots and self.scheduler.may_start_group(
-            self.step, self.served_version, len(self._open) + len(self._ready)
+            self.step, self.served_version, len(self._open) + len(self._ready) + len(self._streamed)
         ):
             slot = self._next_client(capacity)
             if slot is None:
@@ -398,7 +402,7 @@ class Orchestrator:
         """Started rollouts not yet trained, dropped, masked or failed, counted where they are."""
         running = len(self._running)
         requeued = sum(1 for job in self._pending if job.started)
-        finished = sum(len(g.rollouts) for g in self._open) + sum(len(g.rollouts) for g in self._ready)
+        finished = sum(len(g.rollouts) for groups in (self._open, self._ready, self._streamed) for g in groups)
         return running + requeued + finished
 
     def _example_stream(self):
@@ -428,7 +432,12 @@ class Orchestrator:
     # -- batches ---------------------------------------------------------------
 
     def _cut_batch(self, step: int) -> bool:
-        """Cut the batch of ``step`` from the finished groups (dropping stale ones); False if too few are left."""
+        """Cut the batch of ``step`` from the finished groups (dropping stale ones); False if too few are left.
+
+        With ``[trainer] stream_groups``, finished groups that do not complete the batch yet are handed over at
+        once as a part (:meth:`_write_part`); the batch, when whole, holds the parts' rows first
+        (``streamed_rows``) and the rest after them.
+        """
         ready = self._ready
         fresh = []
         for group in ready:
@@ -440,14 +449,20 @@ class Orchestrator:
             else:
                 fresh.append(group)
         ready[:] = fresh
-        need = self.scheduler.groups_per_batch
+        need = self.scheduler.groups_per_batch - len(self._streamed)
         if len(ready) < need:
+            if ready and self.config.trainer.stream_groups:
+                self._write_part(step)
             return False
         groups, ready[:] = ready[:need], ready[need:]
+        batch = self._pack(groups)
+        if self._parts:
+            streamed_rows = sum(part.input_ids.shape[0] for part in self._parts)
+            batch = concat([*self._parts, batch])
+            batch.streamed_rows = streamed_rows
+            groups = self._streamed + groups
+            self._streamed, self._parts = [], []
         rollouts = [r for g in groups for r in g.rollouts]
-        for group in groups:
-            assign_advantages(group.rollouts)
-        batch = pack([sample_from_rollout(r) for r in rollouts], self.config.trainer.seq_len, self.share_prompts)
         self.plugins.hook.i3_on_batch(batch=batch, step=step)
         if self.before_cut is not None:
             self.before_cut()
@@ -461,6 +476,23 @@ class Orchestrator:
         state.save(self.paths.orchestrator_state(step))
         atomic_torch_save(batch, self.paths.batch(step))
         return True
+
+    def _pack(self, groups: list[Group]) -> TrainBatch:
+        for group in groups:
+            assign_advantages(group.rollouts)
+        samples = [sample_from_rollout(r) for g in groups for r in g.rollouts]
+        return pack(samples, self.config.trainer.seq_len, self.share_prompts)
+
+    def _write_part(self, step: int) -> None:
+        """Hand every finished group to the trainer as the next part of the batch of ``step``: it trains them
+        while the rest of the batch generates. They count in the batch (ledger, log, metrics) when it is cut."""
+        part = self._pack(self._ready)
+        if self.before_cut is not None:
+            self.before_cut()
+        atomic_torch_save(part, self.paths.batch_part(step, len(self._parts)))
+        self._streamed += self._ready
+        self._ready.clear()
+        self._parts.append(part)
 
     def _state(self, step: int, batch_positions: list[int], batch_metrics: dict | None = None) -> OrchestratorState:
         """What a run resumed from the checkpoint of ``step`` continues with: groups not in a batch yet are
@@ -480,6 +512,7 @@ class Orchestrator:
             while not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
                 await asyncio.sleep(TRAINER_POLL_S)
             trainer_metrics = json.loads(metrics_path.read_text())
+            self._remove_parts(step)
             served = step - self.scheduler.weight_update_lag
             if served > self.served_version:
                 await self._update_servers(served)
@@ -500,6 +533,14 @@ class Orchestrator:
             if self.progress is not None:
                 self.progress(step, metrics)
             step += 1
+
+    def _remove_parts(self, step: int) -> None:
+        """The parts of the batch of ``step`` (trained, and held whole in that batch)."""
+        for part in itertools.count():
+            path = self.paths.batch_part(step, part)
+            if not path.exists():
+                return
+            path.unlink()
 
     def _weights_path(self, version: int) -> str | None:
         """Where a server loads ``version`` from; None when the weight sync delivers it (broadcast)."""

@@ -174,3 +174,15 @@ def pack(samples: list[Sample], seq_len: int, share_prompts: bool = False) -> Tr
         torch.tensor(fields[name], dtype=dtypes[name]).reshape(len(rows), seq_len) for name in fields)
     return TrainBatch(input_ids, position_ids, loss_mask, advantages, inference_logprobs, sequence_ids, versions,
                       num_samples=len(samples))
+
+
+def concat(batches: list[TrainBatch]) -> TrainBatch:
+    """The rows of ``batches`` in order as one batch: samples numbered on, padding still one extra sample."""
+    total = sum(b.num_samples for b in batches)
+    sequence_ids, offset = [], 0
+    for b in batches:
+        sequence_ids.append(torch.where(b.sequence_ids == b.num_samples, total, b.sequence_ids + offset))
+        offset += b.num_samples
+    fields = {name: torch.cat([getattr(b, name) for b in batches])
+              for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "versions")}
+    return TrainBatch(**fields, sequence_ids=torch.cat(sequence_ids), num_samples=total)

@@ -16,6 +16,8 @@ class RunPaths:
     def __init__(self, out: Path):
         self.out = out
         self.batches = out / "batches"
+        self.parts = out / "batch_parts"
+        """``step_N_K.pt``: the K-th early part of step N's batch (``[trainer] stream_groups``), until N is trained."""
         self.broadcasts = out / "broadcasts"
         self.trainer = out / "trainer"
         self.checkpoints = out / "checkpoints"
@@ -25,6 +27,9 @@ class RunPaths:
 
     def batch(self, step: int) -> Path:
         return self.batches / f"step_{step}.pt"
+
+    def batch_part(self, step: int, part: int) -> Path:
+        return self.parts / f"step_{step}_{part}.pt"
 
     def trainer_metrics(self, step: int) -> Path:
         return self.trainer / f"step_{step}.json"
@@ -51,5 +56,5 @@ class RunPaths:
             pass
 
     def make(self) -> None:
-        for path in (self.batches, self.broadcasts, self.trainer, self.checkpoints, self.orchestrator):
+        for path in (self.batches, self.parts, self.broadcasts, self.trainer, self.checkpoints, self.orchestrator):
             path.mkdir(parents=True, exist_ok=True)

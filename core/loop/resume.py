@@ -145,6 +145,8 @@ def rewind(out: Path, step: int) -> None:
     for batch in paths.batches.glob("step_*.pt") if paths.batches.is_dir() else ():
         if _step_of(batch) in cut and _step_of(batch) > step:
             batch.unlink(missing_ok=True)
+    for part in paths.parts.glob("step_*.pt") if paths.parts.is_dir() else ():  # early parts: the orchestrator's
+        part.unlink(missing_ok=True)  # alone, and of no use once a step is whole (or cut again)
     for folder in (paths.orchestrator, paths.trainer, paths.rollouts):
         checkpoint.drop_after(folder, step)
     checkpoint.drop_after(paths.broadcasts, step - 1)  # version N too: published again, nothing loads the old copy

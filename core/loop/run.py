@@ -160,7 +160,8 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     _check_rollout_length(env, config, run.components["inference"])
     paths = RunPaths(run.output_dir)
     paths.make()
-    for stale in [paths.stop(), *paths.trainer.glob("step_*.json"), *paths.batches.glob("step_*.pt")]:
+    for stale in [paths.stop(), *paths.trainer.glob("step_*.json"), *paths.batches.glob("step_*.pt"),
+                  *paths.parts.glob("step_*.pt")]:
         stale.unlink(missing_ok=True)
     (run.output_dir / "logs").mkdir(exist_ok=True)
     mark_run()  # the trainer and the servers stop by themselves if this process is killed

@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -131,6 +132,32 @@ def micro_batches(batch: TrainBatch, rows: int):
             "inference_logprobs": batch.inference_logprobs[span],
             "sequence_ids": batch.sequence_ids[span],
         }
+
+
+@dataclass
+class StepSums:
+    """What a step's micro-batches add up to (the loss plugin's token-weighted metrics, the logprob mismatch),
+    over the batch's early parts and then the rest; ``rows``: the batch rows accumulated so far."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    loss: float = 0.0
+    abs_diff: float = 0.0
+    tokens: int = 0
+    same_diff: float = 0.0
+    same_tokens: int = 0
+    kl: float = 0.0
+    kl_tokens: int = 0
+    activation_bytes: int = 0
+    rows: int = 0
+    compute_s: float = 0.0
+    """Seconds spent on the early parts."""
+
+
+def _rows_from(batch: TrainBatch, start: int) -> TrainBatch:
+    """``batch`` without its first ``start`` rows (sample ids kept: a sample never spans rows)."""
+    fields = {name: getattr(batch, name)[start:] for name in ("input_ids", "position_ids", "loss_mask", "advantages",
+                                                              "inference_logprobs", "sequence_ids", "versions")}
+    return TrainBatch(**fields, num_samples=batch.num_samples)
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -325,75 +352,72 @@ class Trainer:
 
     # -- RL ------------------------------------------------------------------
 
-    def wait_for_batch(self, step: int) -> TrainBatch | None:
-        """The batch of ``step``; None when the trainer is to stop first (STOP, its run gone, SIGTERM, RESTART)."""
+    def wait_for_batch(self, step: int, on_part=None) -> TrainBatch | None:
+        """The batch of ``step``; None when the trainer is to stop first (STOP, its run gone, SIGTERM, RESTART).
+
+        ``on_part``: called with each early part of the batch (``[trainer] stream_groups``) as it appears, in
+        order, every part before the batch is returned (the orchestrator writes them all before the batch).
+        """
         path = self.paths.batch(step)
-        while not path.exists():
+        part = 0
+        while True:
+            if on_part is not None and (part_path := self.paths.batch_part(step, part)).exists():
+                on_part(torch.load(part_path, weights_only=False))
+                part += 1
+                continue
+            if path.exists():
+                break
             if self.paths.restart().exists():
                 self.stopping = self.stopping or "restart"
             if self.stopping or self.paths.stop().exists() or run_gone():  # a killed run cannot write STOP
                 return None
             time.sleep(BATCH_POLL_S)
+        while on_part is not None and (part_path := self.paths.batch_part(step, part)).exists():
+            on_part(torch.load(part_path, weights_only=False))  # written between the two looks above
+            part += 1
         return torch.load(path, weights_only=False)
 
     def on_sigterm(self, signum, frame) -> None:
         """A scheduler's notice (time limit, preemption): stop after the step in progress, checkpointed."""
         self.stopping = "SIGTERM"
 
-    def train_step(self, batch: TrainBatch, loss_fn, optimizer, version: int) -> dict[str, float]:
-        """One optimizer step on ``batch``; the weights being trained are policy ``version``."""
+    def train_step(self, batch: TrainBatch, loss_fn, optimizer, version: int,
+                   streamed: "StepSums | None" = None) -> dict[str, float]:
+        """One optimizer step on ``batch``; the weights being trained are policy ``version``.
+
+        ``streamed``: what :meth:`accumulate` already added up from the batch's early parts (its first
+        ``batch.streamed_rows`` rows); their gradients were summed unnormalised, and are divided by the batch's
+        normaliser here, once it is known.
+        """
         tcfg = self.config.trainer
-        optimizer.zero_grad(set_to_none=True)
         # The global normaliser: loss tokens with a finite inference logprob (others are dropped by the loss).
         total = int((batch.loss_mask & torch.isfinite(batch.inference_logprobs)).sum())
-        batch = self.local_rows(batch)
-        metrics: dict[str, float] = {}
-        loss_sum, abs_diff, n_tokens = 0.0, 0.0, 0
-        same_diff, same_tokens = 0.0, 0  # tokens sampled by exactly these weights: engine vs trainer numerics
-        kl_sum, kl_tokens = 0.0, 0  # k3 estimate of KL(inference || trainer) over loss tokens with finite logprobs
-        activation_bytes = 0
-        for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
-                                batch.versions.split(tcfg.micro_batch_rows)):
-            mb = {key: value.to(self.device) for key, value in mb.items()}
-            versions = versions.to(self.device)
-            with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
-                lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk,
-                                    where=mb["loss_mask"])
-            activation_bytes = max(activation_bytes, saved.bytes)
-            mask = mb["loss_mask"].reshape(-1)
-            out = loss_fn(
-                LossInputs(
-                    trainer_logprobs=lp.reshape(-1),
-                    inference_logprobs=mb["inference_logprobs"].reshape(-1),
-                    advantages=mb["advantages"].reshape(-1),
-                    loss_mask=mask,
-                    sequence_ids=mb["sequence_ids"].reshape(-1),
-                    num_loss_tokens=total,
-                )
-            )
-            (out.loss * self.world).backward()
-            loss_sum += out.loss.item()
-            weight = int(mask.sum())
-            for key, value in out.metrics.items():  # token-weighted mean over micro-batches
-                metrics[key] = metrics.get(key, 0.0) + value * weight
-            diff = (lp.detach().reshape(-1) - mb["inference_logprobs"].reshape(-1))[mask]
-            abs_diff += float(diff.abs().sum())
-            finite = diff[torch.isfinite(diff)]
-            kl_sum += float((finite.exp() - 1 - finite).sum())
-            kl_tokens += len(finite)
-            n_tokens += weight
-            same = _whole_sample_at(versions.reshape(-1), mb["sequence_ids"].reshape(-1), mask, version)[mask]
-            same_diff += float(diff[same].abs().sum())
-            same_tokens += int(same.sum())
+        if streamed is not None and streamed.rows and streamed.rows != batch.streamed_rows:
+            print(f"step of version {version}: {streamed.rows} rows came early but the batch says "
+                  f"{batch.streamed_rows}; training the whole batch again", file=sys.stderr, flush=True)
+            streamed = None
+        if streamed is None or not streamed.rows:
+            optimizer.zero_grad(set_to_none=True)
+            sums = StepSums()
+            self.accumulate(batch, loss_fn, version, sums, normaliser=total)
+        else:
+            sums = streamed
+            self.accumulate(_rows_from(batch, batch.streamed_rows), loss_fn, version, sums, normaliser=1)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(max(total, 1))
+            sums.loss /= max(total, 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm)
         optimizer.step()
+        loss_sum, abs_diff, n_tokens = sums.loss, sums.abs_diff, sums.tokens
+        same_diff, same_tokens, kl_sum, kl_tokens = sums.same_diff, sums.same_tokens, sums.kl, sums.kl_tokens
         if self.world > 1:  # sums over ranks; the loss plugin's own metrics stay rank 0's
-            sums = torch.tensor([loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens],
-                                dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
-            dist.all_reduce(sums)
-            loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens = sums.tolist()
-        metrics = {k: v / max(n_tokens, 1) for k, v in metrics.items()}
-        metrics["memory/activations_mb"] = activation_bytes / 2**20
+            totals = torch.tensor([loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens],
+                                  dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
+            dist.all_reduce(totals)
+            loss_sum, abs_diff, n_tokens, same_diff, same_tokens, kl_sum, kl_tokens = totals.tolist()
+        metrics = {k: v / max(n_tokens, 1) for k, v in sums.metrics.items()}
+        metrics["memory/activations_mb"] = sums.activation_bytes / 2**20
         if torch.cuda.is_available():
             metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -408,9 +432,51 @@ class Trainer:
                 "mismatch/same_version_tokens": float(same_tokens),
                 "train/loss_tokens": float(total),
                 "train/rows": float(batch.input_ids.shape[0]),
+                "train/streamed_rows": float(batch.streamed_rows),
             }
         )
         return metrics
+
+    def accumulate(self, batch: TrainBatch, loss_fn, version: int, sums: "StepSums", normaliser: int) -> None:
+        """Forward and backward over ``batch``'s micro-batches, gradients added to those already there, with the
+        loss divided by ``normaliser``; what the step's metrics need is added to ``sums``."""
+        tcfg = self.config.trainer
+        rows = batch.input_ids.shape[0]
+        batch = self.local_rows(batch)
+        for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
+                                batch.versions.split(tcfg.micro_batch_rows)):
+            mb = {key: value.to(self.device) for key, value in mb.items()}
+            versions = versions.to(self.device)
+            with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
+                lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk,
+                                    where=mb["loss_mask"])
+            sums.activation_bytes = max(sums.activation_bytes, saved.bytes)
+            mask = mb["loss_mask"].reshape(-1)
+            out = loss_fn(
+                LossInputs(
+                    trainer_logprobs=lp.reshape(-1),
+                    inference_logprobs=mb["inference_logprobs"].reshape(-1),
+                    advantages=mb["advantages"].reshape(-1),
+                    loss_mask=mask,
+                    sequence_ids=mb["sequence_ids"].reshape(-1),
+                    num_loss_tokens=normaliser,
+                )
+            )
+            (out.loss * self.world).backward()
+            sums.loss += out.loss.item()
+            weight = int(mask.sum())
+            for key, value in out.metrics.items():  # token-weighted mean over micro-batches
+                sums.metrics[key] = sums.metrics.get(key, 0.0) + value * weight
+            diff = (lp.detach().reshape(-1) - mb["inference_logprobs"].reshape(-1))[mask]
+            sums.abs_diff += float(diff.abs().sum())
+            finite = diff[torch.isfinite(diff)]
+            sums.kl += float((finite.exp() - 1 - finite).sum())
+            sums.kl_tokens += len(finite)
+            sums.tokens += weight
+            same = _whole_sample_at(versions.reshape(-1), mb["sequence_ids"].reshape(-1), mask, version)[mask]
+            sums.same_diff += float(diff[same].abs().sum())
+            sums.same_tokens += int(same.sum())
+        sums.rows += rows
 
     @property
     def device(self) -> torch.device:
@@ -525,14 +591,23 @@ class Trainer:
         every = self.config.trainer.checkpoint_every
         last = start
         for step in range(start + 1, self.config.run.max_steps + 1):
-            batch = self.wait_for_batch(step)
+            streamed = StepSums()
+
+            def early(part: TrainBatch, version: int = step - 1) -> None:
+                started = time.perf_counter()
+                if not streamed.rows:
+                    optimizer.zero_grad(set_to_none=True)
+                self.accumulate(part, loss_fn, version, streamed, normaliser=1)
+                streamed.compute_s += time.perf_counter() - started
+
+            batch = self.wait_for_batch(step, on_part=early)
             if not self._all_ok(batch is not None):  # every rank stops at the same step
                 break
             start_time = time.perf_counter()
-            metrics = self.train_step(batch, loss_fn, optimizer, version=step - 1)
+            metrics = self.train_step(batch, loss_fn, optimizer, version=step - 1, streamed=streamed)
             metrics["lr"] = optimizer.param_groups[0]["lr"]
             schedule.step()
-            compute_s = time.perf_counter() - start_time
+            compute_s = time.perf_counter() - start_time + streamed.compute_s
             self.publish(step)
             metrics["step_time_s"] = time.perf_counter() - start_time
             metrics.update(self.utilisation(batch, compute_s, peak))
