@@ -54,8 +54,8 @@ first five steps, plus ``margin``; a moving mean over ``REWARD_WINDOW`` steps), 
 ``reward_at_equal_time``, ``completion_tokens``, ``cpu_s``, ``peak_rss_mb``. Per scenario (:func:`over_seeds`,
 ``--seeds``, 8 by default): ``time_to_reward_ratio`` is the median of the seeds' own ratios and
 ``time_to_reward_ci95`` its 95 % bootstrap interval (pairs resampled), ``time_to_reward_ratio_of_medians`` TRL's
-median seconds over i3core's, ``steps_to_reward_ratio`` the median of the pairs' i3core steps over TRL steps,
-``steps_per_s_ratio`` and ``peak_rss_ratio`` ratios of the means, ``trl_settings`` the search above.
+median seconds over i3core's, ``steps_to_reward_ratio`` the median of the pairs' i3core steps over TRL steps
+and ``steps_to_reward_ci95`` its interval, ``steps_per_s_ratio`` and ``peak_rss_ratio`` ratios of the means, ``trl_settings`` the search above.
 
 The last line is JSON. TRL must be installed: ``pip install -c constraints.txt '.[bench]'``
 (see docs/benchmarks.md: pin torch and transformers to the installed versions).
@@ -527,7 +527,8 @@ def over_seeds(runs: list[dict]) -> dict:
     on either side), so ``time_to_reward_ratio`` is the median over the seeds of each pair's own ratio (a side
     that never reaches the level: 0 or infinite), with a 95 % bootstrap interval over the pairs;
     ``time_to_reward_ratio_of_medians`` is TRL's median seconds over i3core's, which ignores the pairing;
-    ``steps_to_reward_ratio`` the median of the pairs' i3core steps over TRL's (above 1: i3core needed more steps).
+    ``steps_to_reward_ratio`` the median of the pairs' i3core steps over TRL's (above 1: i3core needed more steps),
+    ``steps_to_reward_ci95`` its bootstrap interval.
     Speeds, CPU time and memory are means over the seeds; every seed's own figures are under ``seeds``."""
     ratios = [r for r in (paired(run["i3core_time_to_reward_s"], run["trl_time_to_reward_s"]) for run in runs)
               if r is not None]  # None: neither side reached the level
@@ -561,6 +562,7 @@ def over_seeds(runs: list[dict]) -> dict:
         "trl_time_to_reward_s": finite(t_trl, 2),
         "steps_to_reward": {side: [r["steps_to_reward"][side] for r in runs] for side in ("i3core", "trl")},
         "steps_to_reward_ratio": finite(median(steps)) if steps else None,
+        "steps_to_reward_ci95": [finite(x) for x in bootstrap_ci95(steps)] if steps else None,
         "steps_to_reward_ratio_per_seed": [finite(x) for x in steps],
         "peak_rss_mb": rss,
         "peak_rss_ratio": round(rss["i3core"] / rss["trl"], 3),

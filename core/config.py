@@ -71,7 +71,8 @@ class TrainerSection(BaseModel):
         False, description="Hand the trainer a batch's finished groups while the rest still generate: it runs their "
                            "forward and backward at once and steps when the batch is whole. Pays off where generation "
                            "is the slower half (long completions), above all with scheduler.max_sample_lag = 0: "
-                           "on-policy batches with most of the training under the generation.")
+                           "on-policy batches with most of the training under the generation. One trainer rank (nproc "
+                           "= 1); several train each batch whole.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     disable_dropout: bool = Field(
         True, description="Train with every dropout and router jitter of the model off (the engine samples without "

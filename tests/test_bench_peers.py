@@ -61,6 +61,8 @@ def test_over_seeds_reports_the_median_of_pairs_its_interval_and_the_steps_and_m
     # i3core's steps over TRL's: 0.8, 1.0, 1.25, inf (i3core never reached it)
     assert figures["steps_to_reward_ratio"] == pytest.approx((1.0 + 1.25) / 2)
     assert figures["steps_to_reward_ratio_per_seed"] == [0.8, 1.0, 1.25, None]
+    low, high = figures["steps_to_reward_ci95"]
+    assert 0.8 <= low <= figures["steps_to_reward_ratio"] and high is None  # None: a resample's median is infinite
     assert figures["peak_rss_ratio"] == pytest.approx(800 / 640, abs=1e-3)
     assert figures["steps_per_s_ratio"] == 1.5
 

@@ -438,6 +438,7 @@ def test_rewind_undoes_what_the_orchestrator_cut_after_the_checkpoint_and_nothin
     paths.make()
     for step in range(1, 6):
         paths.batch(step).write_bytes(b"b")
+        paths.batch_part(step, 0).write_bytes(b"p")
         paths.trainer_metrics(step).write_text("{}")
         (paths.broadcasts / f"step_{step}").mkdir()
     for step in range(1, 5):  # the orchestrator cut 1-4; batch 5 was handed to the trainer otherwise
@@ -448,6 +449,7 @@ def test_rewind_undoes_what_the_orchestrator_cut_after_the_checkpoint_and_nothin
     paths.restart().touch()
     resume.rewind(tmp_path, 2)
     assert sorted(p.name for p in paths.batches.iterdir()) == ["step_1.pt", "step_2.pt", "step_5.pt"]
+    assert list(paths.parts.iterdir()) == []  # early parts: of a step trained, or to be cut again
     assert sorted(p.name for p in paths.orchestrator.iterdir()) == ["step_1.json", "step_2.json"]
     assert sorted(p.name for p in paths.trainer.iterdir()) == ["step_1.json", "step_2.json"]
     assert sorted(p.name for p in paths.broadcasts.iterdir()) == ["step_1"]  # version 2 is published again

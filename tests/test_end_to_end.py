@@ -45,6 +45,27 @@ def test_short_run_writes_metrics_ledger_checkpoint_and_plot(tmp_path):
     check_rollout_files(out, rows)
 
 
+def test_streamed_groups_train_early_on_policy_and_the_run_adds_up(tmp_path):
+    """``[trainer] stream_groups`` with ``max_sample_lag = 0`` on uneven completions: finished groups reach the
+    trainer before their batch is whole, every batch is on-policy, the ledger holds, no part is left behind."""
+    out = tmp_path / "run"
+    proc = start_run(out, "run.max_steps=6", "sft.steps=2", "env.min_len=8", "env.max_len=24",
+                     "env.max_tokens=128", "inference.max_len=400", "trainer.seq_len=400",
+                     "scheduler.max_sample_lag=0", "trainer.stream_groups=true")
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-2000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert sum(r["train/streamed_rows"] for r in rows) > 0
+    for row in rows:
+        assert row["train/streamed_rows"] < row["train/rows"]  # the group that completes a batch comes with it
+        assert row["off_policy/max_steps"] == 0
+        assert row["rollouts/started"] == sum(row[k] for k in LEDGER)
+        assert row["rollouts/trained"] >= row["step"] * 64
+    assert list((out / "batch_parts").iterdir()) == []
+    assert "Traceback" not in stderr
+
+
 def check_rollout_files(out, rows):
     """rollouts/step_N.jsonl of every step: each trained rollout of the step's batch, as its env scored it, with
     the keys DESIGN.md names; `i3core rollouts` prints a step and says in one line what it cannot."""

@@ -6,7 +6,11 @@ logits never exist at once) -> loss plugin -> backward over micro-batches with
 one global normaliser -> clip -> optimizer plugin -> publish weights version N
 through the weight-sync plugin (every rank takes part: ``filesystem`` gathers
 and rank 0 writes ``broadcasts/step_N/`` + STABLE; ``broadcast`` streams the HF
-tensors layer by layer from rank 0) -> metrics.
+tensors layer by layer from rank 0) -> metrics. With ``[trainer] stream_groups``
+the wait runs forward and backward on each early part of the batch
+(``batch_parts/step_N_K.pt``) as it appears, its loss divided by 1; once the
+batch is whole the rest follows and the summed gradients are divided by the
+batch's normaliser: the same step, started while the batch still generates.
 
 Unlike a textbook trainer, the model trains with every dropout and jitter
 off (``[trainer] disable_dropout``, the default): the engine samples without
@@ -600,7 +604,8 @@ class Trainer:
                 self.accumulate(part, loss_fn, version, streamed, normaliser=1)
                 streamed.compute_s += time.perf_counter() - started
 
-            batch = self.wait_for_batch(step, on_part=early)
+            # Several ranks train the batch whole: a rank stopping while another runs a part's collectives would hang
+            batch = self.wait_for_batch(step, on_part=early if self.world == 1 else None)
             if not self._all_ok(batch is not None):  # every rank stops at the same step
                 break
             start_time = time.perf_counter()
