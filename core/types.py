@@ -145,6 +145,9 @@ class TrainBatch:
     streamed_rows: int = 0
     """Leading rows the trainer was handed earlier, as the batch's parts (``[trainer] stream_groups``)."""
 
+    ROWS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "sequence_ids", "versions")
+    """The ``[rows, seq_len]`` fields."""
+
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())

@@ -183,6 +183,5 @@ def concat(batches: list[TrainBatch]) -> TrainBatch:
     for b in batches:
         sequence_ids.append(torch.where(b.sequence_ids == b.num_samples, total, b.sequence_ids + offset))
         offset += b.num_samples
-    fields = {name: torch.cat([getattr(b, name) for b in batches])
-              for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "versions")}
-    return TrainBatch(**fields, sequence_ids=torch.cat(sequence_ids), num_samples=total)
+    fields = {name: torch.cat([getattr(b, name) for b in batches]) for name in TrainBatch.ROWS}
+    return TrainBatch(**{**fields, "sequence_ids": torch.cat(sequence_ids)}, num_samples=total)

@@ -159,9 +159,7 @@ class StepSums:
 
 def _rows_from(batch: TrainBatch, start: int) -> TrainBatch:
     """``batch`` without its first ``start`` rows (sample ids kept: a sample never spans rows)."""
-    fields = {name: getattr(batch, name)[start:] for name in ("input_ids", "position_ids", "loss_mask", "advantages",
-                                                              "inference_logprobs", "sequence_ids", "versions")}
-    return TrainBatch(**fields, num_samples=batch.num_samples)
+    return TrainBatch(**{name: getattr(batch, name)[start:] for name in TrainBatch.ROWS}, num_samples=batch.num_samples)
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -266,8 +264,7 @@ class Trainer:
         rows = batch.input_ids.shape[0]
         pad = (-rows) % self.world
         fields = {}
-        for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs",
-                     "sequence_ids", "versions"):
+        for name in TrainBatch.ROWS:
             tensor = getattr(batch, name)
             if pad:
                 filler = torch.zeros((pad, tensor.shape[1]), dtype=tensor.dtype)
