@@ -233,12 +233,13 @@ def run_i3core(config: Path, out: Path, seed: int, steps: int, sets: list[str]) 
     return result
 
 
-def run_trl(resolved: dict, sft_dir: Path, out: Path, steps: int, setting: dict) -> dict:
+def run_trl(resolved: dict, sft_dir: Path, out: Path, steps: int, setting: dict,
+            sampling_seed_offset: int = 0) -> dict:
     """TRL's side in a process of its own with ``setting`` (``generation``: a :data:`TRL_GENERATIONS` key,
-    ``threads``)."""
+    ``threads``); its sampling seed is the run's seed + ``sampling_seed_offset`` (the prompts stay the run's)."""
     spec = out / "trl_spec.json"
     spec.write_text(json.dumps({"resolved": resolved, "sft_dir": str(sft_dir), "steps": steps, "setting": setting,
-                                "out": str(out / "trl_result.json")}))
+                                "sampling_seed_offset": sampling_seed_offset, "out": str(out / "trl_result.json")}))
     result = measure([sys.executable, __file__, "--trl-worker", str(spec)])
     worker = json.loads((out / "trl_result.json").read_text())
     if "error" in worker:
@@ -376,7 +377,8 @@ def trl_train(spec: dict) -> dict:
             weight_decay=opt["weight_decay"], lr_scheduler_type="constant", warmup_steps=0,
             max_grad_norm=max_grad_norm, beta=0.0, scale_rewards="none", loss_type="dapo", num_iterations=1,
             shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-            bf16=False, seed=run["seed"], disable_tqdm=True, dataloader_num_workers=0,
+            bf16=False, seed=run["seed"] + spec.get("sampling_seed_offset", 0), disable_tqdm=True,
+            dataloader_num_workers=0,
             gradient_checkpointing=False,  # TRL's default recomputes activations; i3core keeps them (faster TRL)
             router_aux_loss_coef=0.0,  # i3core trains without the MoE load-balancing loss
             disable_dropout=True,
@@ -583,6 +585,8 @@ def main() -> None:
                         help="comma-separated run.seed values, each run by both sides")
     parser.add_argument("--inference", choices=("local", "builtin"), default="local",
                         help="i3core's engine: in the orchestrator's process (local, the quickstart's) or two servers")
+    parser.add_argument("--trl-sampling-seed", type=int, default=0, metavar="OFFSET",
+                        help="TRL samples with seed run.seed + OFFSET (same prompts, same weights): TRL's own spread")
     parser.add_argument("--trl", default="search", metavar="GENERATION:THREADS",
                         help="TRL's setting: 'search' (default: every TRL_GENERATIONS path x TRL_THREADS on the "
                              "first seed, the fastest for all) or one, e.g. 'generate:2' ("
@@ -605,7 +609,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
     seeds = [int(s) for s in args.seeds.split(",")]
-    result = {"load_avg_start": os.getloadavg()[0], "seeds": seeds, "inference": args.inference}
+    result = {"load_avg_start": os.getloadavg()[0], "seeds": seeds, "inference": args.inference,
+              "trl_sampling_seed": args.trl_sampling_seed}
     for name in args.scenarios.split(","):
         scenario = SCENARIOS[name]
         steps = args.steps or scenario["steps"]
@@ -620,7 +625,7 @@ def main() -> None:
                 resolved = i3.pop("resolved")
                 if settings is None:
                     settings = choose_trl(resolved, sft, out, scenario["trial_steps"])
-                trl = run_trl(resolved, sft, out, steps, settings["chosen"])
+                trl = run_trl(resolved, sft, out, steps, settings["chosen"], args.trl_sampling_seed)
             runs.append({"seed": seed, **compare(i3, trl, scenario["margin"]), "load_avg": os.getloadavg()[0]})
             print(json.dumps({name: {k: v for k, v in runs[-1].items() if not k.endswith("_per_step")}}),
                   file=sys.stderr, flush=True)

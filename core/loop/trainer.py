@@ -383,7 +383,7 @@ class Trainer:
         self.stopping = "SIGTERM"
 
     def train_step(self, batch: TrainBatch, loss_fn, optimizer, version: int,
-                   streamed: "StepSums | None" = None) -> dict[str, float]:
+                   streamed: StepSums | None = None) -> dict[str, float]:
         """One optimizer step on ``batch``; the weights being trained are policy ``version``.
 
         ``streamed``: what :meth:`accumulate` already added up from the batch's early parts (its first
@@ -438,7 +438,7 @@ class Trainer:
         )
         return metrics
 
-    def accumulate(self, batch: TrainBatch, loss_fn, version: int, sums: "StepSums", normaliser: int) -> None:
+    def accumulate(self, batch: TrainBatch, loss_fn, version: int, sums: StepSums, normaliser: int) -> None:
         """Forward and backward over ``batch``'s micro-batches, gradients added to those already there, with the
         loss divided by ``normaliser``; what the step's metrics need is added to ``sums``."""
         tcfg = self.config.trainer
