@@ -55,7 +55,8 @@ first five steps, plus ``margin``; a moving mean over ``REWARD_WINDOW`` steps), 
 ``--seeds``, 8 by default): ``time_to_reward_ratio`` is the median of the seeds' own ratios and
 ``time_to_reward_ci95`` its 95 % bootstrap interval (pairs resampled), ``time_to_reward_ratio_of_medians`` TRL's
 median seconds over i3core's, ``steps_to_reward_ratio`` the median of the pairs' i3core steps over TRL steps
-and ``steps_to_reward_ci95`` its interval, ``steps_per_s_ratio`` and ``peak_rss_ratio`` ratios of the means, ``trl_settings`` the search above.
+and ``steps_to_reward_ci95`` its interval, ``steps_per_s_ratio`` and ``peak_rss_ratio`` ratios of the means,
+``trl_settings`` the search above.
 
 The last line is JSON. TRL must be installed: ``pip install -c constraints.txt '.[bench]'``
 (see docs/benchmarks.md: pin torch and transformers to the installed versions).

@@ -28,6 +28,7 @@ it is in, checkpoints it and exits with 143; a restarted orchestrator's RESTART 
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -438,6 +439,15 @@ class Trainer:
         )
         return metrics
 
+    def accumulate_part(self, part: TrainBatch, loss_fn, optimizer, version: int, sums: StepSums) -> None:
+        """An early part of a step's batch: its gradients summed, unnormalised, into the step's (the first part
+        clears what the last step left)."""
+        started = time.perf_counter()
+        if not sums.rows:
+            optimizer.zero_grad(set_to_none=True)
+        self.accumulate(part, loss_fn, version, sums, normaliser=1)
+        sums.compute_s += time.perf_counter() - started
+
     def accumulate(self, batch: TrainBatch, loss_fn, version: int, sums: StepSums, normaliser: int) -> None:
         """Forward and backward over ``batch``'s micro-batches, gradients added to those already there, with the
         loss divided by ``normaliser``; what the step's metrics need is added to ``sums``."""
@@ -593,14 +603,8 @@ class Trainer:
         last = start
         for step in range(start + 1, self.config.run.max_steps + 1):
             streamed = StepSums()
-
-            def early(part: TrainBatch, version: int = step - 1) -> None:
-                started = time.perf_counter()
-                if not streamed.rows:
-                    optimizer.zero_grad(set_to_none=True)
-                self.accumulate(part, loss_fn, version, streamed, normaliser=1)
-                streamed.compute_s += time.perf_counter() - started
-
+            early = functools.partial(self.accumulate_part, loss_fn=loss_fn, optimizer=optimizer, version=step - 1,
+                                      sums=streamed)
             # Several ranks train the batch whole: a rank stopping while another runs a part's collectives would hang
             batch = self.wait_for_batch(step, on_part=early if self.world == 1 else None)
             if not self._all_ok(batch is not None):  # every rank stops at the same step
