@@ -170,6 +170,7 @@ class Orchestrator:
 
     def __post_init__(self):
         self.share_prompts = bool(getattr(self.model, "prefix_trees", False) and self.config.trainer.share_prompts)
+        self._stream_groups = self.config.trainer.stream_groups and self.config.trainer.nproc == 1  # see the trainer
         self.paths = RunPaths(self.config.run.out)
         run = self.config.run
         self.rollout_log = rollout_log.RolloutLog(run.out, run.keep_rollouts, int(run.rollouts_max_mb * 2**20))
@@ -451,7 +452,7 @@ class Orchestrator:
         ready[:] = fresh
         need = self.scheduler.groups_per_batch - len(self._streamed)
         if len(ready) < need:
-            if ready and self.config.trainer.stream_groups:
+            if ready and self._stream_groups:
                 self._write_part(step)
             return False
         groups, ready[:] = ready[:need], ready[need:]
