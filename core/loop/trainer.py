@@ -149,8 +149,10 @@ class StepSums:
     abs_diff: float = 0.0
     tokens: int = 0
     same_diff: float = 0.0
+    """|trainer - inference logprob| over tokens sampled by exactly these weights (engine vs trainer numerics)."""
     same_tokens: int = 0
     kl: float = 0.0
+    """k3 estimate of KL(inference || trainer), summed over loss tokens with finite logprobs."""
     kl_tokens: int = 0
     activation_bytes: int = 0
     rows: int = 0
