@@ -89,6 +89,12 @@ class TrainerSection(BaseModel):
         "keep", description="Activations saved for backward: keep them, recompute each block (checkpoint), "
                             "or move them to host memory (offload).")  # fmt: skip
 
+    @property
+    def streams_groups(self) -> bool:
+        """Whether ``stream_groups`` takes effect: one trainer rank (a rank stopping while another runs a part's
+        collectives would hang, so several ranks train each batch whole)."""
+        return self.stream_groups and self.nproc == 1
+
 
 class SftSection(BaseModel):
     """``[sft]``: a supervised warm start on the environment's demonstrations, before RL."""

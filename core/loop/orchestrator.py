@@ -170,7 +170,6 @@ class Orchestrator:
 
     def __post_init__(self):
         self.share_prompts = bool(getattr(self.model, "prefix_trees", False) and self.config.trainer.share_prompts)
-        self._stream_groups = self.config.trainer.stream_groups and self.config.trainer.nproc == 1  # see the trainer
         self.paths = RunPaths(self.config.run.out)
         run = self.config.run
         self.rollout_log = rollout_log.RolloutLog(run.out, run.keep_rollouts, int(run.rollouts_max_mb * 2**20))
@@ -452,7 +451,7 @@ class Orchestrator:
         ready[:] = fresh
         need = self.scheduler.groups_per_batch - len(self._streamed)
         if len(ready) < need:
-            if ready and self._stream_groups:
+            if ready and self.config.trainer.streams_groups:
                 self._write_part(step)
             return False
         groups, ready[:] = ready[:need], ready[need:]
@@ -513,7 +512,8 @@ class Orchestrator:
             while not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
                 await asyncio.sleep(TRAINER_POLL_S)
             trainer_metrics = json.loads(metrics_path.read_text())
-            self._remove_parts(step)
+            if self.config.trainer.streams_groups:
+                self._remove_parts(step)
             served = step - self.scheduler.weight_update_lag
             if served > self.served_version:
                 await self._update_servers(served)

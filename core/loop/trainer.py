@@ -364,21 +364,22 @@ class Trainer:
         """
         path = self.paths.batch(step)
         part = 0
-        while True:
-            if on_part is not None and (part_path := self.paths.batch_part(step, part)).exists():
+
+        def take_parts():  # every part written so far, in order
+            nonlocal part
+            while on_part is not None and (part_path := self.paths.batch_part(step, part)).exists():
                 on_part(torch.load(part_path, weights_only=False))
                 part += 1
-                continue
-            if path.exists():
-                break
+
+        take_parts()
+        while not path.exists():
             if self.paths.restart().exists():
                 self.stopping = self.stopping or "restart"
             if self.stopping or self.paths.stop().exists() or run_gone():  # a killed run cannot write STOP
                 return None
             time.sleep(BATCH_POLL_S)
-        while on_part is not None and (part_path := self.paths.batch_part(step, part)).exists():
-            on_part(torch.load(part_path, weights_only=False))  # written between the two looks above
-            part += 1
+            take_parts()
+        take_parts()  # those written between the last look and the batch
         return torch.load(path, weights_only=False)
 
     def on_sigterm(self, signum, frame) -> None:
@@ -607,8 +608,7 @@ class Trainer:
             streamed = StepSums()
             early = functools.partial(self.accumulate_part, loss_fn=loss_fn, optimizer=optimizer, version=step - 1,
                                       sums=streamed)
-            # Several ranks train the batch whole: a rank stopping while another runs a part's collectives would hang
-            batch = self.wait_for_batch(step, on_part=early if self.world == 1 else None)
+            batch = self.wait_for_batch(step, on_part=early if self.config.trainer.streams_groups else None)
             if not self._all_ok(batch is not None):  # every rank stops at the same step
                 break
             start_time = time.perf_counter()
