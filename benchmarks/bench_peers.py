@@ -52,7 +52,7 @@ Figures per seed (one :func:`compare`): steps/s after the first ``WARMUP_STEPS``
 (TRL's seconds to reach ``reward_level`` over i3core's; the level is the SFT level, the mean reward of both sides'
 first five steps, plus ``margin``; a moving mean over ``REWARD_WINDOW`` steps), ``steps_to_reward``,
 ``reward_at_equal_time``, ``completion_tokens``, ``cpu_s``, ``peak_rss_mb``. Per scenario (:func:`over_seeds`,
-``--seeds``, 8 by default): ``time_to_reward_ratio`` is the median of the seeds' own ratios and
+``--seeds``, 16 by default): ``time_to_reward_ratio`` is the median of the seeds' own ratios and
 ``time_to_reward_ci95`` its 95 % bootstrap interval (pairs resampled), ``time_to_reward_ratio_of_medians`` TRL's
 median seconds over i3core's, ``steps_to_reward_ratio`` the median of the pairs' i3core steps over TRL steps
 and ``steps_to_reward_ci95`` its interval, ``steps_per_s_ratio`` and ``peak_rss_ratio`` ratios of the means,
@@ -582,7 +582,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml", help="i3core run config")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated: " + ", ".join(SCENARIOS))
     parser.add_argument("--steps", type=int, default=None, help="RL steps per side (default: the scenario's)")
-    parser.add_argument("--seeds", default="0,1,2,3,4,5,6,7",
+    parser.add_argument("--seeds", default=",".join(map(str, range(16))),
                         help="comma-separated run.seed values, each run by both sides")
     parser.add_argument("--inference", choices=("local", "builtin"), default="local",
                         help="i3core's engine: in the orchestrator's process (local, the quickstart's) or two servers")
