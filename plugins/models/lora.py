@@ -21,8 +21,9 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import save_file
 from torch import nn
+
+from i3core.weights import write_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -131,8 +132,7 @@ def save_adapter(tensors: dict[str, torch.Tensor], config, base: Path, path: Pat
     path.mkdir(parents=True, exist_ok=True)
     config = config.__class__(**{**config.to_dict(), "base_model_name_or_path": str(base)})
     config.save_pretrained(str(path))
-    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(path / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    write_safetensors(tensors, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     return path
 
 

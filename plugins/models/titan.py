@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from i3core.errors import I3Error, did_you_mean
+from i3core.weights import write_safetensors
 
 FAMILIES = {"qwen3": "torchtitan.models.qwen3", "deepseek_v3": "torchtitan.models.deepseek_v3"}
 """Model family -> the torchtitan package whose ``model_registry(flavor, ...)`` gives its ``ModelSpec``."""
@@ -304,12 +305,10 @@ def hf_config(model: TitanPolicy, eos_token_id: int | None) -> dict:
 
 def save_hf_dir(model: TitanPolicy, path: str | Path, tokenizer_dir: Path | None) -> Path:
     """Write ``config.json``, ``model.safetensors`` (HF layout) and the tokenizer to ``path``."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.to(torch.float32).contiguous().cpu() for name, t in iter_hf_tensors(model)}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {name: t.to(torch.float32) for name, t in iter_hf_tensors(model)}
+    write_safetensors(tensors, path / "model.safetensors", metadata={"format": "pt"})
     tokenizer, eos = load_tokenizer(tokenizer_dir)
     (path / "config.json").write_text(json.dumps(hf_config(model, eos), indent=2) + "\n")
     if tokenizer_dir is None:
