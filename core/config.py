@@ -92,7 +92,9 @@ class TrainerSection(BaseModel):
     @property
     def streams_groups(self) -> bool:
         """Whether ``stream_groups`` takes effect: one trainer rank (a rank stopping while another runs a part's
-        collectives would hang, so several ranks train each batch whole)."""
+        collectives would hang, so several ranks train each batch whole). The trainer also checks the ranks it
+        really has: ``i3core launch`` starts them by node count, not by ``nproc``; parts it does not take are
+        trained with the rest of their batch."""
         return self.stream_groups and self.nproc == 1
 
 

@@ -129,11 +129,12 @@ def trainer_command(config_path: Path, nproc: int, *args: str) -> list[str]:
             "-m", "i3core.loop.trainer", str(config_path), *args]
 
 
-def torchrun_trainer(config_path: Path, nproc: int, *args: str, timeout: float = 300) -> None:
-    """The trainer role under torchrun on ``config_path``; asserts it exits 0."""
+def torchrun_trainer(config_path: Path, nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The trainer role under torchrun on ``config_path``; asserts it exits 0 and returns what it printed."""
     result = subprocess.run(trainer_command(config_path, nproc, *args), capture_output=True, text=True,
                             timeout=timeout, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
 
 
 async def wait_until_running(client, metrics_path: str = "/i3/metrics", task=None) -> None:

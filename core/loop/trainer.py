@@ -604,11 +604,14 @@ class Trainer:
             resume.announce(self.paths, start)
         every = self.config.trainer.checkpoint_every
         last = start
+        # early parts only for a trainer that runs alone: a rank stopping while another runs a part's collectives
+        # would hang, and a launched job's ranks come from its node count, not from [trainer] nproc
+        takes_parts = self.world == 1 and self.config.trainer.streams_groups
         for step in range(start + 1, self.config.run.max_steps + 1):
             streamed = StepSums()
             early = functools.partial(self.accumulate_part, loss_fn=loss_fn, optimizer=optimizer, version=step - 1,
                                       sums=streamed)
-            batch = self.wait_for_batch(step, on_part=early if self.config.trainer.streams_groups else None)
+            batch = self.wait_for_batch(step, on_part=early if takes_parts else None)
             if not self._all_ok(batch is not None):  # every rank stops at the same step
                 break
             start_time = time.perf_counter()
