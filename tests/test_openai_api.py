@@ -282,7 +282,8 @@ def test_refused_fields_are_400s_naming_them_and_the_server_keeps_serving(client
 def test_neutral_values_of_unsupported_fields_are_accepted(client):
     out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=2, presence_penalty=0,
                                          frequency_penalty=0, response_format={"type": "text"}, user="u1")
-    assert out.choices[0].finish_reason == "length"
+    # sampled at temperature 1: the tiny model may end its turn within the two tokens (CI once drew that)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens <= 2
 
 
 def test_token_in_generate_as_vllm_serves_it_with_session_versions(served):
