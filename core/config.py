@@ -80,6 +80,12 @@ class TrainerSection(BaseModel):
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary.")
     nproc: int = Field(1, ge=1, description="Trainer processes (torchrun --nproc-per-node); >1 shards with FSDP2.")
     threads: int = Field(1, ge=1, description="torch CPU threads per trainer process.")
+    micro_batch_threads: int = Field(
+        1, ge=1, description="Micro-batches run at once, one Python thread each, their gradients summed into the same "
+                             "parameters (one trainer rank on a CPU; otherwise 1). The batch's rows are split so that "
+                             "each thread gets a share. On a small model a CPU core is used better by a micro-batch of "
+                             "its own than by a share of every small op (threads); the gradient sums' order, and so "
+                             "their last bits, then vary from run to run.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Newest complete checkpoints kept; older ones are deleted.")
     lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from lr/N to lr.")

@@ -45,14 +45,14 @@ def test_concat_numbers_samples_on_and_keeps_padding_one_extra_sample():
     assert torch.equal(whole.sequence_ids[rows:][pad_second], torch.full((int(pad_second.sum()),), 7))
 
 
-def trainer(builtins, tmp_path, loss: str):
+def trainer(builtins, tmp_path, loss: str, **options):
     from i3core.config import validate
     from i3core.loop.trainer import Trainer
 
     config = validate({"run": {"output_dir": str(tmp_path)}, "model": {"use": "tiny-moe", **SMALL},
                        "env": {"use": "reverse-text"}, "weight_sync": {"use": "filesystem"}, "loss": {"use": loss},
                        "optimizer": {"use": "adamw"},
-                       "trainer": {"micro_batch_rows": 2}}, builtins)
+                       "trainer": {"micro_batch_rows": 2, **options}}, builtins)
     trainer = Trainer(config)
     optimizer = config.get("optimizer").build().build(trainer.model.named_parameters())
     return trainer, config.get("loss").build(), optimizer

@@ -469,12 +469,12 @@ class Orchestrator:
         self.ledger.trained += len(rollouts)
         for rollout in rollouts:
             self._log(rollout, rollout_log.TRAINED)
-        self._samples[step] = self.rollout_log.write(step)
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
         # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
         state = self._state(step, [self._positions.pop(id(g)) for g in groups], self._batch_metrics[step])
         state.save(self.paths.orchestrator_state(step))
         atomic_torch_save(batch, self.paths.batch(step))
+        self._samples[step] = self.rollout_log.write(step)  # after the batch: the trainer is on it meanwhile
         return True
 
     def _pack(self, groups: list[Group]) -> TrainBatch:

@@ -29,6 +29,7 @@ it is in, checkpoints it and exits with 143; a restarted orchestrator's RESTART 
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -38,6 +39,7 @@ import shutil
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +161,19 @@ class StepSums:
     compute_s: float = 0.0
     """Seconds spent on the early parts."""
 
+    def add(self, part: "StepSums") -> None:
+        """Add a micro-batch's sums (its ``rows`` and ``compute_s`` are the caller's to count)."""
+        for key, value in part.metrics.items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+        self.loss += part.loss
+        self.abs_diff += part.abs_diff
+        self.tokens += part.tokens
+        self.same_diff += part.same_diff
+        self.same_tokens += part.same_tokens
+        self.kl += part.kl
+        self.kl_tokens += part.kl_tokens
+        self.activation_bytes = max(self.activation_bytes, part.activation_bytes)
+
 
 def _rows_from(batch: TrainBatch, start: int) -> TrainBatch:
     """``batch`` without its first ``start`` rows (sample ids kept: a sample never spans rows)."""
@@ -259,6 +274,12 @@ class Trainer:
         self.model_component.parallelize(self.model, world=self.world,
                                          checkpoint=config.trainer.activation_memory == "checkpoint",
                                          seq_len=config.trainer.seq_len)
+        alone_on_cpu = self.world == 1 and self.device.type == "cpu"
+        self.micro_batch_threads = config.trainer.micro_batch_threads if alone_on_cpu else 1
+        """Micro-batches run at once (``[trainer] micro_batch_threads``): one rank on a CPU only, where no rank's
+        collectives can interleave and the threads share the cores, not one device's stream."""
+        self.micro_batch_pool = ThreadPoolExecutor(self.micro_batch_threads, thread_name_prefix="micro-batch") \
+            if self.micro_batch_threads > 1 else None
 
     def local_rows(self, batch: TrainBatch) -> TrainBatch:
         """This rank's rows; the batch is padded with empty rows so every rank runs every collective."""
@@ -453,44 +474,55 @@ class Trainer:
 
     def accumulate(self, batch: TrainBatch, loss_fn, version: int, sums: StepSums, normaliser: int) -> None:
         """Forward and backward over ``batch``'s micro-batches, gradients added to those already there, with the
-        loss divided by ``normaliser``; what the step's metrics need is added to ``sums``."""
-        tcfg = self.config.trainer
+        loss divided by ``normaliser``; what the step's metrics need is added to ``sums``. With
+        ``micro_batch_threads`` > 1 the micro-batches run that many at once (:attr:`micro_batch_pool`)."""
         rows = batch.input_ids.shape[0]
         batch = self.local_rows(batch)
-        for mb, versions in zip(micro_batches(batch, tcfg.micro_batch_rows),
-                                batch.versions.split(tcfg.micro_batch_rows)):
-            mb = {key: value.to(self.device) for key, value in mb.items()}
-            versions = versions.to(self.device)
-            with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
-                lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk,
-                                    where=mb["loss_mask"])
-            sums.activation_bytes = max(sums.activation_bytes, saved.bytes)
-            mask = mb["loss_mask"].reshape(-1)
-            out = loss_fn(
-                LossInputs(
-                    trainer_logprobs=lp.reshape(-1),
-                    inference_logprobs=mb["inference_logprobs"].reshape(-1),
-                    advantages=mb["advantages"].reshape(-1),
-                    loss_mask=mask,
-                    sequence_ids=mb["sequence_ids"].reshape(-1),
-                    num_loss_tokens=normaliser,
-                )
-            )
-            (out.loss * self.world).backward()
-            sums.loss += out.loss.item()
-            weight = int(mask.sum())
-            for key, value in out.metrics.items():  # token-weighted mean over micro-batches
-                sums.metrics[key] = sums.metrics.get(key, 0.0) + value * weight
-            diff = (lp.detach().reshape(-1) - mb["inference_logprobs"].reshape(-1))[mask]
-            sums.abs_diff += float(diff.abs().sum())
-            finite = diff[torch.isfinite(diff)]
-            sums.kl += float((finite.exp() - 1 - finite).sum())
-            sums.kl_tokens += len(finite)
-            sums.tokens += weight
-            same = _whole_sample_at(versions.reshape(-1), mb["sequence_ids"].reshape(-1), mask, version)[mask]
-            sums.same_diff += float(diff[same].abs().sum())
-            sums.same_tokens += int(same.sum())
+        per = self.config.trainer.micro_batch_rows
+        pool = self.micro_batch_pool
+        if pool is not None:  # every thread a share of the rows
+            per = max(1, min(per, -(-batch.input_ids.shape[0] // self.micro_batch_threads)))
+        one = functools.partial(self.micro_batch, loss_fn=loss_fn, version=version, normaliser=normaliser)
+        parts = zip(micro_batches(batch, per), batch.versions.split(per))
+        for part in (pool.map(one, *zip(*parts)) if pool is not None else itertools.starmap(one, parts)):
+            sums.add(part)  # in the micro-batches' order, whatever order they finished in
         sums.rows += rows
+
+    def micro_batch(self, mb: dict, versions: torch.Tensor, loss_fn, version: int, normaliser: int) -> StepSums:
+        """Forward and backward over one micro-batch (gradients added to the parameters'); its share of the sums."""
+        tcfg = self.config.trainer
+        sums = StepSums()
+        mb = {key: value.to(self.device) for key, value in mb.items()}
+        versions = versions.to(self.device)
+        with SavedActivations(self.model, offload=tcfg.activation_memory == "offload") as saved:
+            lp = token_logprobs(self.model, mb["input_ids"], mb["position_ids"], tcfg.logprob_chunk,
+                                where=mb["loss_mask"])
+        sums.activation_bytes = saved.bytes
+        mask = mb["loss_mask"].reshape(-1)
+        out = loss_fn(
+            LossInputs(
+                trainer_logprobs=lp.reshape(-1),
+                inference_logprobs=mb["inference_logprobs"].reshape(-1),
+                advantages=mb["advantages"].reshape(-1),
+                loss_mask=mask,
+                sequence_ids=mb["sequence_ids"].reshape(-1),
+                num_loss_tokens=normaliser,
+            )
+        )
+        (out.loss * self.world).backward()
+        sums.loss = out.loss.item()
+        weight = int(mask.sum())
+        sums.metrics = {key: value * weight for key, value in out.metrics.items()}  # token-weighted over micro-batches
+        diff = (lp.detach().reshape(-1) - mb["inference_logprobs"].reshape(-1))[mask]
+        sums.abs_diff = float(diff.abs().sum())
+        finite = diff[torch.isfinite(diff)]
+        sums.kl = float((finite.exp() - 1 - finite).sum())
+        sums.kl_tokens = len(finite)
+        sums.tokens = weight
+        same = _whole_sample_at(versions.reshape(-1), mb["sequence_ids"].reshape(-1), mask, version)[mask]
+        sums.same_diff = float(diff[same].abs().sum())
+        sums.same_tokens = int(same.sum())
+        return sums
 
     @property
     def device(self) -> torch.device:
