@@ -35,9 +35,11 @@ activations; i3core's trainer keeps them: the faster TRL is the one compared).
 Scenarios: ``short`` is the quickstart (completions of a few tokens); ``long_tail`` reverses strings of 8-24
 letters with up to 256 new tokens after a 4-step warm start, so completion lengths spread from about 9 tokens to
 the 256 cap, a few long rollouts in every batch (the regime asynchrony exists for). i3core runs each with the
-settings that measured best for it: ``short`` as the quickstart (sampling at most one version behind:
-``max_sample_lag = 1``); ``long_tail`` on-policy (``max_sample_lag = 0``) with ``[trainer] stream_groups``, the
-batch's finished groups trained while its long rollouts still generate.
+settings that measured best for it: both on-policy (``max_sample_lag = 0``: every batch sampled by the weights it
+trains, learning as much per step as TRL). ``short`` with the trainer's micro-batches on both cores
+(``[trainer] micro_batch_threads = 2``: the engine stands idle while the trainer steps) and 64 engine slots (the
+64 rollouts of one batch, all an on-policy run has in flight; the quickstart's 128 serve lag 1); ``long_tail`` with
+``[trainer] stream_groups``, the batch's finished groups trained while its long rollouts still generate.
 
 Clocks, the same on both sides: warm, from the first rollout request (i3core: the orchestrator's
 ``time/elapsed_s``, with the trainer started and the engine built; TRL: the first call of its ``_generate``, with
@@ -92,7 +94,9 @@ SCENARIOS = {
         "steps": 120,
         "trial_steps": 20,
         "margin": 0.08,
-        "sets": [],
+        # on-policy; the trainer's micro-batches on both cores while the engine waits for its weights; the engine
+        # sized to one batch (docs/benchmarks.md: lag 1 learns less per step, lag 0 measured with each)
+        "sets": ["scheduler.max_sample_lag=0", "trainer.micro_batch_threads=2", "inference.max_slots=64"],
     },
     "long_tail": {
         "steps": 60,

@@ -203,6 +203,8 @@ class Orchestrator:
         self._positions: dict[int, int] = {}
         """Stream position of each finished group in ``_ready``, by ``id(group)``."""
         self._wake = asyncio.Event()
+        self._cut = asyncio.Event()
+        """Set whenever a batch is cut (``self.step`` moved on)."""
         self._started = time.perf_counter()
         self._all_down_since: float | None = None
         self._examples = self._example_stream()
@@ -508,6 +510,9 @@ class Orchestrator:
     async def _watch_trainer(self) -> None:
         step = self.step  # 1, or the first step after the checkpoint a resumed run continues from
         while step <= self.max_steps:
+            while self.step <= step:  # no step ends before its batch is cut: no polling while it generates
+                self._cut.clear()
+                await self._cut.wait()
             metrics_path = self.paths.trainer_metrics(step)  # built once a step, polled every TRAINER_POLL_S
             while not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
                 await asyncio.sleep(TRAINER_POLL_S)
@@ -585,6 +590,7 @@ class Orchestrator:
                     if not self._cut_batch(self.step):
                         break
                     self.step += 1
+                    self._cut.set()
                 self._fill()
                 self._check_servers()
                 self._wake.clear()

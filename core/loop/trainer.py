@@ -28,6 +28,7 @@ it is in, checkpoints it and exits with 143; a restarted orchestrator's RESTART 
 """
 
 import argparse
+import ctypes
 import functools
 import itertools
 import json
@@ -623,6 +624,7 @@ class Trainer:
         self._all_ok(True)  # no rank looks for a batch before the rewind
         if self.config.sft.steps and self.resume_step is None:
             self.sft()
+            release_freed_memory()  # the warm start's batches are bigger than RL's: what they held goes back
         # Everything the first step needs is ready before the first version goes out: the orchestrator starts
         # generating the moment it appears, and the peak-FLOPs probe would take the CPU from the first batch.
         loss_fn = self.config.get("loss").build()
@@ -663,6 +665,17 @@ class Trainer:
                 break
         if last > start and not (every and last % every == 0):
             self.checkpoint(last, optimizer, schedule)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory the C allocator keeps from freed blocks back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing): after a phase of big tensors (the SFT warm start), the process would otherwise hold its peak for the
+    rest of the run."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def lr_schedule(optimizer, tcfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
