@@ -57,7 +57,11 @@ from i3core.types import Example, Group, Rollout, TrainBatch
 log = structlog.get_logger("i3core.orchestrator")
 
 TRAINER_POLL_S = 0.002
-"""How often the orchestrator looks for the trainer's next version (new groups may wait for it: ``max_sample_lag``)."""
+"""How often the orchestrator looks for the trainer's next version (new groups may wait for it: ``max_sample_lag``)
+while rollouts run: each look takes the event loop from them and the engine."""
+TRAINER_POLL_IDLE_S = 0.0005
+"""How often it looks when no rollout runs (an on-policy run waiting for the version its next batch needs): the
+wait is all on the critical path, and the look takes nothing from anyone."""
 PROBE_FIRST_S = 0.5
 """First re-probe of a server marked down; doubles after every failed probe."""
 PROBE_MAX_S = 8.0
@@ -513,9 +517,9 @@ class Orchestrator:
             while self.step <= step:  # no step ends before its batch is cut: no polling while it generates
                 self._cut.clear()
                 await self._cut.wait()
-            metrics_path = self.paths.trainer_metrics(step)  # built once a step, polled every TRAINER_POLL_S
+            metrics_path = self.paths.trainer_metrics(step)  # built once a step, polled
             while not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
-                await asyncio.sleep(TRAINER_POLL_S)
+                await asyncio.sleep(TRAINER_POLL_S if self._running else TRAINER_POLL_IDLE_S)
             trainer_metrics = json.loads(metrics_path.read_text())
             if self.config.trainer.streams_groups:
                 self._remove_parts(step)

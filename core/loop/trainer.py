@@ -65,7 +65,7 @@ SIGTERM_EXIT = 128 + signal.SIGTERM
 STOCHASTIC_ATTRS = re.compile(r"dropout|drop_?prob|pdrop|layerdrop|jitter", re.IGNORECASE)
 """Float attributes of a module that make training random (transformers' ``attention_dropout``, OPT's ``dropout``
 and ``layerdrop``, Mixtral's ``jitter_noise``, ...): their forwards apply them only in train mode."""
-BATCH_POLL_S = 0.002
+BATCH_POLL_S = 0.0005
 """How often the trainer looks for its next batch: the wait is on the critical path of every step (a few
 microseconds of CPU a look)."""
 

@@ -387,13 +387,14 @@ class Engine(EngineBase):
         """Swap weights between two steps; running sequences continue under ``version``.
 
         The staged tensors become the live ones (no copy), so the engine stands still only for the swap. A state
-        of some of the module's tensors (an adapter on a frozen base, already checked by ``state_dict_from_hf``)
-        swaps those alone: the pause is that of the adapter's few tensors, not of the whole module's walk.
+        of the module's parameters, all of them or some (an adapter on a frozen base, already checked by
+        ``state_dict_from_hf``), is swapped tensor by tensor: the pause is that of the tensors, not of a walk of the
+        whole module.
         """
-        if state.keys() < self._tensors.keys():
+        if state.keys() <= self._tensors.keys():  # each tensor swapped in place (a module walk costs more)
             for name, tensor in state.items():
                 self._tensors[name].data = tensor
-        else:
+        else:  # names beyond the parameters (a tied head's, buffers): the module places them
             self.model.load_state_dict(state, assign=True)
             self._tensors = dict(self.model.named_parameters())
         self.version = version
