@@ -232,6 +232,7 @@ def run_i3core(config: Path, out: Path, seed: int, steps: int, sets: list[str]) 
     result["sft_s"] = sft_seconds(out / "logs" / "trainer.log")
     result["startup_s"] = round(first_request_at - result.pop("launched_at") - result["sft_s"], 2)
     result["threads"] = {"trainer": resolved["trainer"]["threads"],
+                         "trainer_micro_batches": resolved["trainer"].get("micro_batch_threads", 1),
                          "inference": resolved["inference"].get("threads"),
                          "inference_servers": resolved["inference"].get("servers")}
     result["resolved"] = resolved
