@@ -43,8 +43,13 @@ def test_completions_logprobs_and_an_in_flight_update(weights):
             await client.close()
 
     first, completion, health = asyncio.run(scenario())
+    books = {s.name: s.value for family in source.server.metrics.registry.collect() for s in family.samples}
+    generated = source.server.tokens_generated
     source.close()
     assert health["version"] == 1
+    # nothing scrapes this engine: no per-token books (the engine task's time is the rollouts'), updates counted
+    assert books["vllm:generation_tokens_total"] == 0 and books["vllm:time_to_first_token_seconds_count"] == 0
+    assert books["i3core:weight_updates_total"] == 1 and generated > 0
     assert completion.versions[0] == 0 and completion.versions[-1] == 1 and completion.versions == sorted(completion.versions)
     # Version 0's logprobs are the trainer's on the same tokens (the engine is the builtin server's).
     ids = torch.tensor([first.prompt_ids + first.token_ids])

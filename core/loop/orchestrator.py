@@ -206,6 +206,9 @@ class Orchestrator:
         """Prompts drawn from the stream so far (the position of the next new one)."""
         self._positions: dict[int, int] = {}
         """Stream position of each finished group in ``_ready``, by ``id(group)``."""
+        self._oldest: dict[int, int] = {}
+        """Per ready group (``id``), the oldest policy version of its tokens (what :meth:`_cut_batch` checks for
+        staleness at every try, counted once)."""
         self._wake = asyncio.Event()
         self._cut = asyncio.Event()
         """Set whenever a batch is cut (``self.step`` moved on)."""
@@ -395,6 +398,7 @@ class Orchestrator:
         if kept:
             self._ready.append(group)
             self._positions[id(group)] = position
+            self._oldest[id(group)] = min(r.oldest_version for r in group.rollouts)
 
     def _log(self, rollout: Rollout, outcome: str, error: str | None = None) -> None:
         """Keep ``rollout``'s line for the next step's ``rollouts/step_N.jsonl`` (:mod:`i3core.loop.rollouts`)."""
@@ -447,11 +451,11 @@ class Orchestrator:
         ready = self._ready
         fresh = []
         for group in ready:
-            if self.scheduler.is_stale(min(r.oldest_version for r in group.rollouts), step):
+            if self.scheduler.is_stale(self._oldest[id(group)], step):
                 self.ledger.dropped_stale += len(group.rollouts)
                 for rollout in group.rollouts:
                     self._log(rollout, rollout_log.DROPPED)
-                del self._positions[id(group)]
+                del self._positions[id(group)], self._oldest[id(group)]
             else:
                 fresh.append(group)
         ready[:] = fresh
@@ -473,14 +477,16 @@ class Orchestrator:
         if self.before_cut is not None:
             self.before_cut()
         self.ledger.trained += len(rollouts)
-        for rollout in rollouts:
-            self._log(rollout, rollout_log.TRAINED)
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
+        for group in groups:
+            del self._oldest[id(group)]
         # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
         state = self._state(step, [self._positions.pop(id(g)) for g in groups], self._batch_metrics[step])
         state.save(self.paths.orchestrator_state(step))
         atomic_torch_save(batch, self.paths.batch(step))
-        self._samples[step] = self.rollout_log.write(step)  # after the batch: the trainer is on it meanwhile
+        for rollout in rollouts:  # after the batch: the trainer is on it meanwhile
+            self._log(rollout, rollout_log.TRAINED)
+        self._samples[step] = self.rollout_log.write(step)
         return True
 
     def _pack(self, groups: list[Group]) -> TrainBatch:

@@ -67,7 +67,8 @@ class LocalSource:
         spec = model or {"use": "tiny-moe"}
         component = model_component(spec["use"], {k: v for k, v in spec.items() if k != "use"})
         self.server = builtin_server(Path(model_dir), component, max_slots=self.config.max_slots,
-                                     max_len=self.config.max_len, version=version, served_name="local")
+                                     max_len=self.config.max_len, version=version, served_name="local",
+                                     scraped=False)  # no /metrics here: no per-token books
         return [LOCAL_URL]
 
     def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()) -> "LocalClient":

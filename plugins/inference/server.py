@@ -47,7 +47,8 @@ from i3core.errors import EngineFailed, I3Error, SequenceFailed
 from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV, terminate_with_run
 from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
-from i3core.plugins.inference.observability import CONTENT_TYPE, ServerMetrics, configure_logging, request_log
+from i3core.plugins.inference.observability import (CONTENT_TYPE, ServerMetrics, UnscrapedMetrics, configure_logging,
+                                                    request_log)
 from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.utility_routes import UtilityRoutes
 from i3core.plugins.inference.protocol import (
@@ -77,7 +78,7 @@ class Server:
     encodes and decodes text, renders chats and says where completions stop. :func:`builtin_server` puts a
     model's own engine behind it."""
 
-    def __init__(self, engine: EngineBase, model: Model, model_name: str):
+    def __init__(self, engine: EngineBase, model: Model, model_name: str, scraped: bool = True):
         self.engine = engine
         self.model = model
         self.tokenizer = engine.tokenizer if engine.tokenizer is not None else model.tokenizer()
@@ -112,7 +113,9 @@ class Server:
         self.started = time.time()
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="i3core-engine")
         """The one thread every engine step runs on: torch's intra-op thread pool stays that thread's."""
-        self.metrics = ServerMetrics(model_name, self._state)
+        self.metrics = (ServerMetrics if scraped else UnscrapedMetrics)(model_name, self._state)
+        """Prometheus' books (:mod:`~i3core.plugins.inference.observability`); not kept per token where
+        ``scraped`` is False (an engine without ``/metrics``)."""
 
     # -- the engine task ---------------------------------------------------
 
@@ -367,9 +370,9 @@ def model_component(name: str, options: dict, plugins=None) -> Model:
 
 
 def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int,
-                   served_name: str | None = None) -> Server:
+                   served_name: str | None = None, scraped: bool = True) -> Server:
     """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
-    directory ``model_dir``.
+    directory ``model_dir`` (``scraped``: whether its Prometheus books are kept, see :class:`Server`).
 
     :raises I3Error: the model cannot be served by the builtin engine (it has no cached decode).
     """
@@ -380,7 +383,7 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
     check_max_len(model_dir, max_len)
     engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version,
                     tokenizer=model.tokenizer())
-    return Server(engine, model, served_name or str(model_dir))
+    return Server(engine, model, served_name or str(model_dir), scraped=scraped)
 
 
 async def _json_body(http: web.Request) -> dict:
