@@ -204,11 +204,9 @@ class Orchestrator:
         """Positions a resumed run has still to draw again (saved again if it is checkpointed before)."""
         self._next_position = 0 if self.resume is None else self.resume.next_position
         """Prompts drawn from the stream so far (the position of the next new one)."""
-        self._positions: dict[int, int] = {}
-        """Stream position of each finished group in ``_ready``, by ``id(group)``."""
-        self._oldest: dict[int, int] = {}
-        """Per ready group (``id``), the oldest policy version of its tokens (what :meth:`_cut_batch` checks for
-        staleness at every try, counted once)."""
+        self._ready_at: dict[int, tuple[int, int]] = {}
+        """Per finished group in ``_ready`` (by ``id(group)``): its stream position and the oldest policy version
+        of its tokens (what :meth:`_cut_batch` checks for staleness at every try, counted once)."""
         self._wake = asyncio.Event()
         self._cut = asyncio.Event()
         """Set whenever a batch is cut (``self.step`` moved on)."""
@@ -397,8 +395,7 @@ class Orchestrator:
         group.rollouts[:] = kept
         if kept:
             self._ready.append(group)
-            self._positions[id(group)] = position
-            self._oldest[id(group)] = min(r.oldest_version for r in group.rollouts)
+            self._ready_at[id(group)] = position, min(r.oldest_version for r in group.rollouts)
 
     def _log(self, rollout: Rollout, outcome: str, error: str | None = None) -> None:
         """Keep ``rollout``'s line for the next step's ``rollouts/step_N.jsonl`` (:mod:`i3core.loop.rollouts`)."""
@@ -451,11 +448,11 @@ class Orchestrator:
         ready = self._ready
         fresh = []
         for group in ready:
-            if self.scheduler.is_stale(self._oldest[id(group)], step):
+            if self.scheduler.is_stale(self._ready_at[id(group)][1], step):
                 self.ledger.dropped_stale += len(group.rollouts)
                 for rollout in group.rollouts:
                     self._log(rollout, rollout_log.DROPPED)
-                del self._positions[id(group)], self._oldest[id(group)]
+                del self._ready_at[id(group)]
             else:
                 fresh.append(group)
         ready[:] = fresh
@@ -478,10 +475,8 @@ class Orchestrator:
             self.before_cut()
         self.ledger.trained += len(rollouts)
         self._batch_metrics[step] = _batch_metrics(rollouts, trained_version=step - 1)
-        for group in groups:
-            del self._oldest[id(group)]
         # Saved before the batch: when the trainer checkpoints this step, the state it copies exists.
-        state = self._state(step, [self._positions.pop(id(g)) for g in groups], self._batch_metrics[step])
+        state = self._state(step, [self._ready_at.pop(id(g))[0] for g in groups], self._batch_metrics[step])
         state.save(self.paths.orchestrator_state(step))
         atomic_torch_save(batch, self.paths.batch(step))
         for rollout in rollouts:  # after the batch: the trainer is on it meanwhile
@@ -509,7 +504,8 @@ class Orchestrator:
     def _state(self, step: int, batch_positions: list[int], batch_metrics: dict | None = None) -> OrchestratorState:
         """What a run resumed from the checkpoint of ``step`` continues with: groups not in a batch yet are
         drawn again, so their rollouts leave the ledger (``started`` counts only accounted ones)."""
-        redraw = sorted([g.position for g in self._open] + list(self._positions.values()) + list(self._to_redraw))
+        ready = [position for position, _ in self._ready_at.values()]
+        redraw = sorted([g.position for g in self._open] + ready + list(self._to_redraw))
         accounted = self.ledger.started - self._in_flight()
         ledger = {**asdict(self.ledger), "started": accounted, "masked_reasons": dict(self.ledger.masked_reasons)}
         return OrchestratorState(step=step, next_position=self._next_position, redraw=redraw, ledger=ledger,
