@@ -46,7 +46,7 @@ def reading(path: Path) -> Iterator[Path]:
     marker = Path(path) / STABLE
     try:
         fd = os.open(marker, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file named as the version: no version either
         raise VersionGone(f"no {STABLE} marker under {path}: not a complete weight version") from None
     try:
         try:

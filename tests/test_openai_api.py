@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from i3core import hookimpl
+from i3core.plugins.inference.protocol import split_tool_calls
 from i3core.plugins.inference.server import builtin_server, make_app, model_component
 from i3core.plugins.models.tiny_moe import TinyMoE
 from i3core.testing import make_component, plugin_manager
@@ -471,10 +472,20 @@ def test_stop_strings_cut_the_text_streamed_or_not(scripted):
     assert whole.usage.completion_tokens == len("one, two, thr")  # cut after the token that completed it
 
 
+@pytest.mark.parametrize("arguments", ["[" * 100_000, "9" * 5000, "NaN", "-Infinity", "[1, 2]", "3"])
+def test_a_block_the_json_parser_refuses_or_that_is_no_call_stays_text(arguments):
+    """Nesting past the parser's depth, an integer past int()'s digits, NaN, arguments that are no object: text,
+    not an error of the server's."""
+    text = 'A <tool_call>{"name": "add", "arguments": ' + arguments + '}</tool_call>'
+    assert split_tool_calls(text) == (text, [])
+
+
 @pytest.mark.parametrize("text", [
     'Sure. <tool_call>{"name": "add", "arguments": </tool_call> and then more text',  # not JSON
     "Sure. <tool_call> never closed, and text after it",
     'A <tool_call>{"arguments": {}}</tool_call> call without a name',
+    'A <tool_call>{"name": "add", "arguments": NaN}</tool_call> call whose arguments are not JSON',
+    'A <tool_call>{"name": "add", "arguments": [1, 2]}</tool_call> call whose arguments are no object',
 ])
 def test_a_malformed_tool_block_stays_text_streamed_exactly_as_not(scripted, text):
     start, set_script = scripted

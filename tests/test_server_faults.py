@@ -95,6 +95,26 @@ def test_a_sequence_with_nan_logits_fails_alone_and_the_others_go_on(model_dir):
     assert not server.engine.running and len(server.engine._free) == server.engine.max_slots  # every slot back
 
 
+def test_a_responses_stream_whose_sequence_fails_ends_with_response_failed(model_dir):
+    """After the 200 of a Responses stream, a failed sequence is the stream's last event (``response.failed``),
+    not a second HTTP response written into the body."""
+    server = faulty_server(model_dir, nan_token=POISON)
+
+    async def scenario(session, url):
+        body = {"input": "a" + chr(POISON) + "b", "max_output_tokens": 4, "stream": True}
+        async with session.post(url + "/v1/responses", json=body) as response:
+            status, text = response.status, await response.text()
+        return status, text, await post(session, url, PLAIN)
+
+    status, text, after = asyncio.run(in_process(server, scenario))
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and "HTTP/1.1" not in text
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "sequence_failed"
+    assert "logits are not finite" in failed["error"]["message"] and after[0] == 200
+
+
 def test_an_engine_that_breaks_fails_every_waiting_request_at_once_and_health_says_why(model_dir):
     server = faulty_server(model_dir, raise_at=6)  # a prefill or two, then a few decode steps
 

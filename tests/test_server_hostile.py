@@ -63,6 +63,8 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", c, {**PLAIN, "temperature": -1e-9}, {}, 400, "temperature must be a finite number >= 0"),
         ("POST", c, {**PLAIN, "top_p": 1}, {}, 200, ""),
         ("POST", c, {**PLAIN, "top_p": 1e-12}, {}, 200, ""),
+        ("POST", c, {**PLAIN, "top_p": 1e-46}, {}, 200, ""),  # 0 in float32: the most likely token stays
+        ("POST", c, {**PLAIN, "repetition_penalty": 1e-46}, {}, 200, ""),  # 0 in float32: logits stay finite
         ("POST", c, {**PLAIN, "top_p": 0}, {}, 400, "top_p must be a finite number in (0, 1]"),
         ("POST", c, {**PLAIN, "top_p": 1.0000001}, {}, 400, "top_p must be a finite number in (0, 1]"),
         ("POST", c, {**PLAIN, "top_k": -1}, {}, 200, ""),
@@ -107,6 +109,16 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", c, json.dumps(PLAIN).encode(), {"Content-Type": "text/plain"}, 200, ""),
         ("POST", c, b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}', {}, 413, "at most 16777216 bytes"),
         ("POST", c, {**PLAIN, "prompt": "a" * 20_000}, {}, 400, f"maximum context length is {MAX_LEN} tokens"),
+        # texts no context holds, refused before the tokenizer holds the interpreter for them
+        ("POST", c, {**PLAIN, "prompt": "a b " * 1_000_000}, {}, 400, "the prompt has 4000000 characters"),
+        ("POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "a" * 1_000_000}]), {}, 400,
+         f"maximum context length is {MAX_LEN} tokens"),
+        ("POST", "/tokenize", {"prompt": "a" * 1_000_000}, {}, 400, "the prompt has 1000000 characters"),
+        ("POST", "/v1/responses", {"input": "a" * 1_000_000, "max_output_tokens": 2}, {}, 400, "the input has"),
+        ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "metadata": {str(i): "" for i in range(17)}},
+         {}, 400, "metadata must be an object of at most 16 strings"),
+        ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v" * 513}}, {}, 400,
+         "metadata must be an object of at most 16 strings"),
         # surrogates and NUL bytes
         ("POST", c, b'{"prompt": "a\\ud800b"}', {}, 400, "prompt holds a lone UTF-16 surrogate"),
         ("POST", c, b'{"prompt": "\\udfff", "max_tokens": 2}', {}, 400, "surrogate"),
@@ -130,6 +142,8 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", "/update_weights", {"path": "/etc", "version": 1}, {}, 401, "needs the admin token"),
         ("POST", "/pause", {}, {"Authorization": "Bearer wrong"}, 401, "needs the admin token"),
         ("POST", "/pause", {}, {"Authorization": ADMIN_TOKEN}, 401, "needs the admin token"),  # no scheme
+        ("POST", "/pause", {}, {"Authorization": "Bearer s\u00e9cret"}, 401, "needs the admin token"),  # not ASCII
+        ("POST", "/update_weights", {"path": "/etc\x00", "version": 1}, ADMIN, 400, "path must not hold a NUL"),
         ("GET", "/inference/v1/sessions/x", None, {}, 401, "needs the admin token"),
         ("DELETE", "/inference/v1/sessions/x", None, {}, 401, "needs the admin token"),
         ("POST", "/update_weights", {"path": "/etc", "version": 1}, ADMIN, 403,
@@ -140,6 +154,19 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", "/v1/embeddings", {}, {}, 404, "Not Found"),
         ("PUT", c, {}, {}, 405, "allowed: POST"),
     ]
+
+
+def test_update_weights_from_a_file_is_a_client_error(served):
+    """A file under the weight directories named as a version: 400, not an error of the server's."""
+    url, _, log = served
+    config = log.parent / "model" / "config.json"
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            return await answer(session, "POST", url + "/update_weights", {"path": str(config), "version": 1}, ADMIN)
+
+    status, body = asyncio.run(scenario())
+    assert config.is_file() and status == 400 and "not a complete weight version" in body["error"]["message"], body
 
 
 async def answer(session, method, url, body, headers):

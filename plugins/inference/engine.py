@@ -535,6 +535,8 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if (repetition != 1.0).any():
             seen = (counts + _token_counts([r.prompt_ids for r in requests], vocab)) > 0
             block = torch.where(seen, torch.where(block > 0, block / repetition, block * repetition), block)
+            big = torch.finfo(block.dtype).max  # a penalty near 0 (below float32's least, it is 0) overflows
+            block = block.clamp(-big, big)
     biased = [(j, token, value) for j, r in enumerate(requests) for token, value in (r.logit_bias or {}).items()]
     if biased:
         at, tokens, values = zip(*biased)
@@ -567,6 +569,7 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         ordered, order = logits.sort(dim=-1, descending=True)
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
-        logits = logits.masked_fill(torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before >= top_p),
-                                    -math.inf)
+        drop = before >= top_p
+        drop[..., 0] = False  # the most likely token stays, whatever top_p rounds to in float32 (1e-46 is 0)
+        logits = logits.masked_fill(torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, drop), -math.inf)
     return logits

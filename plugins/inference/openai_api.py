@@ -244,7 +244,9 @@ class OpenAIRoutes:
         server = self.server
         request = parse(CompletionRequest, parse_json_object(await http.read()))
         engine, eos = server.engine, end_ids(server.model)
-        prompts = request.prompts(engine.vocab_size, lambda text: server.tokenizer.encode(text).ids)
+        texts = request.texts()
+        encoded = dict(zip(texts, await server.encode_many(texts)))
+        prompts = request.prompts(engine.vocab_size, encoded.__getitem__)
         sampling = request.stream_sampling(engine.max_len, engine.vocab_size, eos, eos)
         seqs = self._sequences(prompts, sampling)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -314,8 +316,8 @@ class OpenAIRoutes:
         request = parse(ChatRequest, parse_json_object(await http.read()))
         tools = request.offered_tools()
         # the template writes its own special tokens (a BOS): the tokenizer adds none
-        prompt_ids = server.tokenizer.encode(server.model.render_chat(request.template_messages(), tools),
-                                             add_special_tokens=False).ids
+        prompt_ids = await server.encode(server.model.render_chat(request.template_messages(), tools),
+                                   add_special_tokens=False, param="messages")
         # by default: the end of the assistant's turn, or of the text
         sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size,
                                            end_ids(server.model, chat=True), end_ids(server.model))

@@ -188,7 +188,8 @@ def bearer_matches(authorization: str | None, *tokens: str | None) -> bool:
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given:
         return False
-    return any(token and hmac.compare_digest(given.strip().encode(), token.encode()) for token in tokens)
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")  # the header's own bytes, whatever they are
+    return any(token and hmac.compare_digest(given_bytes, token.encode("utf-8", "surrogateescape")) for token in tokens)
 
 
 def unauthorized(what: str) -> BadRequest:
@@ -200,6 +201,8 @@ def weights_path(path: str, roots: list[Path]) -> Path:
 
     :raises BadRequest: 403 for any other path (``/update_weights`` must not read anything else on this disk).
     """
+    if "\x00" in path:
+        raise BadRequest("path must not hold a NUL character", param="path")
     resolved = Path(path).resolve()
     if not any(resolved.is_relative_to(root.resolve()) for root in roots):
         raise BadRequest(f"path {path!r} is outside the weight directories this server reads from "
@@ -548,14 +551,21 @@ class CompletionRequest(StreamingFields):
     def logprobs_asked(self) -> int | None:
         return self.logprobs
 
+    def batch(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or token ids."""
+        prompt = self.prompt
+        return prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
+
+    def texts(self) -> list[str]:
+        """The request's prompts given as strings (to be encoded)."""
+        return [p for p in self.batch() if isinstance(p, str)]
+
     def prompts(self, vocab_size: int, encode) -> list[list[int]]:
         """Every prompt of the request as token ids (a string through ``encode``).
 
         :raises BadRequest: an id outside ``[0, vocab_size)``, a string that encodes to nothing.
         """
-        prompt = self.prompt
-        batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
-        prompts = [prompt_token_ids(p, vocab_size, encode) for p in batch]
+        prompts = [prompt_token_ids(p, vocab_size, encode) for p in self.batch()]
         if not all(prompts):
             raise BadRequest("a prompt encodes to no tokens", param="prompt")
         return prompts
@@ -817,21 +827,27 @@ def openapi(routes: dict[str, type[BaseModel]], title: str, version: str = "0.1.
             "components": {"schemas": {**defs.get("$defs", {}), "Error": error}}}
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """Generated text as (content, OpenAI ``tool_calls``): the well-formed ``<tool_call>{"name", "arguments"}
     </tool_call>`` blocks become calls and the content is the text before the first block (None when empty);
     text without a well-formed block is all content (a malformed block stays text)."""
     calls = []
     for raw in TOOL_CALL.findall(text):
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError:
+        try:  # strict JSON: NaN and Infinity are not; a model's deep nesting or a huge integer is not parsed
+            body = json.loads(raw, parse_constant=_not_json)
+        except (ValueError, RecursionError):
             continue
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             continue
         arguments = body.get("arguments", {})
-        if not isinstance(arguments, str):
+        if isinstance(arguments, dict):
             arguments = json.dumps(arguments)
+        elif not isinstance(arguments, str):  # an object, or the JSON text of one (OpenAI's own form)
+            continue
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": body["name"], "arguments": arguments}})
     if not calls:

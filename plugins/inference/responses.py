@@ -14,19 +14,23 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
+from pydantic import StringConstraints
 
+from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.protocol import (
     MAX_TOKENS,
     TOOL_CALL_OPEN,
     BadRequest,
     ChatRequest,
     RequestModel,
+    ShuttingDown,
     StreamingFields,
     bounded,
     check_fields,
+    error_response,
     parse,
     parse_json_object,
     split_tool_calls,
@@ -56,7 +60,10 @@ class ResponsesRequest(RequestModel):
     max_output_tokens: int | None = bounded(None, "an integer in [1, max_len]", ge=1, le=MAX_TOKENS)
     previous_response_id: str | None = bounded(None, "the id of a stored response")
     store: bool = bounded(True, "true or false", f"Keep the response for previous_response_id (the last {MAX_STORED}).")
-    metadata: dict[str, str] | None = bounded(None, "an object of strings", "Echoed.")
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = bounded(
+        None, "an object of at most 16 strings, keys of up to 64 characters, values of up to 512",
+        "Echoed and stored with the response (OpenAI's limits).", max_length=16)
     prompt_cache_key: str | None = bounded(None, "a string")
     prompt_cache_retention: str | None = bounded(None, "a string")
     include: list[Literal["reasoning.encrypted_content"]] | None = bounded(
@@ -102,8 +109,8 @@ class Responses:
                                    "tools": tools or None, "tool_choice": choice,
                                    "max_completion_tokens": request.max_output_tokens})
         offered = chat.offered_tools()
-        prompt_ids = server.tokenizer.encode(server.model.render_chat(chat.template_messages(), offered),
-                                             add_special_tokens=False).ids
+        prompt_ids = await server.encode(server.model.render_chat(chat.template_messages(), offered),
+                                   add_special_tokens=False, param="input")
         sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size,
                                         end_ids(server.model, chat=True), end_ids(server.model))
         instructions = request.instructions
@@ -161,7 +168,9 @@ class Responses:
         item (``output_item.added``, ``content_part.added``, ``output_text.delta``..., ``output_text.done``,
         ``content_part.done``, ``output_item.done``); for each call, a function_call item
         (``output_item.added``, ``function_call_arguments.delta``/``.done``, ``output_item.done``); then
-        ``response.completed`` (status ``incomplete`` when ``max_output_tokens`` ended it, as vLLM sends it)."""
+        ``response.completed`` (status ``incomplete`` when ``max_output_tokens`` ended it, as vLLM sends it). A
+        sequence, engine or shutdown error after the 200 ends the stream with ``response.failed`` (the response
+        with status ``failed`` and its ``error``)."""
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(http)
         number = 0
@@ -189,7 +198,16 @@ class Responses:
             text += piece
             await send("response.output_text.delta", delta=piece, logprobs=[], **where)
 
-        out = await self.routes._run(seq, sampling, hold, on_delta)
+        try:
+            out = await self.routes._run(seq, sampling, hold, on_delta)
+        except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
+            _, body = error_response(exc)
+            response["status"] = "failed"
+            response["error"] = {"code": body["error"]["code"] or body["error"]["type"],
+                                 "message": body["error"]["message"]}
+            await send("response.failed", response=response)
+            await stream.write_eof()
+            return stream
         self.served(http, prompt_tokens, [out])
         output = []
         if text:

@@ -75,7 +75,8 @@ class UtilityRoutes:
             special = bool(request.add_special_tokens)
         else:
             text, special = request.prompt, request.add_special_tokens is not False
-        tokens = server.tokenizer.encode(text, add_special_tokens=special).ids
+        param = "messages" if request.messages is not None else "prompt"
+        tokens = await server.encode(text, add_special_tokens=special, param=param)
         strs = [server.tokenizer.id_to_token(t) for t in tokens] if request.return_token_strs else None
         return web.json_response({"count": len(tokens), "max_model_len": server.engine.max_len, "tokens": tokens,
                                   "token_strs": strs})
