@@ -403,7 +403,11 @@ def _max_text_chars(tokenizer, max_len: int) -> int | None:
     vocab = getattr(tokenizer, "get_vocab", None)
     if not callable(vocab):
         return None
-    longest = max(map(len, vocab(with_added_tokens=True)), default=0)
+    try:
+        tokens = vocab(with_added_tokens=True)  # tokenizers.Tokenizer's: the special tokens too
+    except TypeError:  # a tokenizer of another kind
+        tokens = vocab()
+    longest = max(map(len, tokens), default=0)
     return 2 * max_len * longest if longest else None
 
 
