@@ -115,6 +115,41 @@ def test_a_responses_stream_whose_sequence_fails_ends_with_response_failed(model
     assert "logits are not finite" in failed["error"]["message"] and after[0] == 200
 
 
+def test_a_bug_after_a_streams_200_is_the_streams_last_event_not_a_second_response(model_dir, monkeypatch):
+    """Whatever escapes a streaming handler once its 200 is sent (here the tool parser, broken on purpose) ends
+    the stream with the route's error event; the server goes on."""
+    from i3core.plugins.inference import openai_api, responses
+
+    def broken(text):
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(openai_api, "split_tool_calls", broken)
+    monkeypatch.setattr(responses, "split_tool_calls", broken)
+    server = faulty_server(model_dir)
+    tool = {"name": "add", "parameters": {"type": "object", "properties": {}}}
+
+    async def scenario(session, url):
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+                "tools": [{"type": "function", "function": tool}]}
+        async with session.post(url + "/v1/chat/completions", json=chat) as response:
+            chat_answer = response.status, await response.text()
+        body = {"input": "hi", "max_output_tokens": 3, "stream": True, "tools": [{"type": "function", **tool}]}
+        async with session.post(url + "/v1/responses", json=body) as response:
+            responses_answer = response.status, await response.text()
+        return chat_answer, responses_answer, await post(session, url, PLAIN)
+
+    with capture_logs() as logs:
+        (chat_status, chat_text), (resp_status, resp_text), after = asyncio.run(in_process(server, scenario))
+    chat_events = [line[6:] for line in chat_text.splitlines() if line.startswith("data: ")]
+    assert chat_status == 200 and "HTTP/1.1" not in chat_text and chat_events[-1] == "[DONE]"
+    assert json.loads(chat_events[-2])["error"]["message"] == "internal error: RuntimeError: injected bug"
+    events = [json.loads(line[6:]) for line in resp_text.splitlines() if line.startswith("data: ")]
+    assert resp_status == 200 and "HTTP/1.1" not in resp_text and events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"] == {"code": "server_error",
+                                               "message": "internal error: RuntimeError: injected bug"}
+    assert after[0] == 200 and sum(log["event"] == "request failed" for log in logs) == 2
+
+
 def test_an_engine_that_breaks_fails_every_waiting_request_at_once_and_health_says_why(model_dir):
     server = faulty_server(model_dir, raise_at=6)  # a prefill or two, then a few decode steps
 

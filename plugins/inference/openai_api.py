@@ -12,6 +12,7 @@ the request streams; otherwise the handler waits for it once.
 """
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -26,6 +27,7 @@ from i3core.plugins.inference.observability import TRACE
 from i3core.text import end_ids, stop_index
 from i3core.plugins.inference.protocol import (
     REQUEST_MODELS,
+    STREAM_END,
     ShuttingDown,
     error_response,
     TOOL_CALL_OPEN,
@@ -139,12 +141,13 @@ async def together(coroutines) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def send_error(response: web.StreamResponse, exc: Exception) -> None:
+async def send_error(response: web.StreamResponse, exc: Exception) -> web.StreamResponse:
     """End a stream whose 200 is already sent with the error as an event (as vLLM does), then ``[DONE]``."""
     _, body = error_response(exc)
     await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
+    return response
 
 
 def served(http: web.Request, prompt_tokens: int, outputs: list[Output]) -> None:
@@ -385,6 +388,7 @@ class OpenAIRoutes:
         ``finish_reason`` (and, with tools, its ``tool_calls``), a usage chunk when asked, then ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http)
+        http[STREAM_END] = functools.partial(send_error, response)
         lock = asyncio.Lock()
         chat = kind == "chat.completion.chunk"
 
@@ -443,8 +447,7 @@ class OpenAIRoutes:
         try:
             outputs = await together(one(i, seq) for i, seq in enumerate(seqs))
         except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
-            await send_error(response, exc)
-            return response
+            return await send_error(response, exc)
         served(http, sum(map(len, prompts)), outputs)
         self.server.requests_served += 1
         if sampling.include_usage:

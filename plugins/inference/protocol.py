@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
@@ -80,6 +81,11 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 class ShuttingDown(I3Error):
     """The server is shutting down (SIGTERM/SIGINT): answered 503."""
+
+
+STREAM_END = web.RequestKey("i3core_stream_end", typing.Callable)
+"""Set by a handler once its stream's 200 is sent: ``async (exc) -> StreamResponse`` ends the stream with ``exc`` as
+its last event (a response cannot follow a started one; the error middleware calls it for what escapes the handler)."""
 
 
 def error_response(exc: Exception) -> tuple[int, dict]:

@@ -25,6 +25,7 @@ from i3core.plugins.inference.protocol import (
     TOOL_CALL_OPEN,
     BadRequest,
     ChatRequest,
+    STREAM_END,
     RequestModel,
     ShuttingDown,
     StreamingFields,
@@ -181,6 +182,16 @@ class Responses:
             number += 1
             await stream.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
 
+        async def failed(exc: Exception) -> web.StreamResponse:
+            _, body = error_response(exc)
+            response["status"] = "failed"
+            response["error"] = {"code": body["error"]["code"] or body["error"]["type"],
+                                 "message": body["error"]["message"]}
+            await send("response.failed", response=response)
+            await stream.write_eof()
+            return stream
+
+        http[STREAM_END] = failed
         await send("response.created", response=response)
         await send("response.in_progress", response=response)
         message = _message("")
@@ -201,13 +212,7 @@ class Responses:
         try:
             out = await self.routes._run(seq, sampling, hold, on_delta)
         except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
-            _, body = error_response(exc)
-            response["status"] = "failed"
-            response["error"] = {"code": body["error"]["code"] or body["error"]["type"],
-                                 "message": body["error"]["message"]}
-            await send("response.failed", response=response)
-            await stream.write_eof()
-            return stream
+            return await failed(exc)
         self.served(http, prompt_tokens, [out])
         output = []
         if text:

@@ -53,6 +53,7 @@ from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.utility_routes import UtilityRoutes
 from i3core.plugins.inference.protocol import (
     MAX_BODY_BYTES,
+    STREAM_END,
     BadRequest,
     bearer_matches,
     is_admin_route,
@@ -444,6 +445,8 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except (BadRequest, SequenceFailed, EngineFailed, ShuttingDown) as exc:
+        if STREAM_END in request:  # the stream's 200 is sent: no response can follow it, its last event says why
+            return await request[STREAM_END](exc)
         status, body = error_response(exc)
         return web.json_response(body, status=status)
     except web.HTTPException as exc:
@@ -457,6 +460,8 @@ async def _errors(request: web.Request, handler):
         return web.json_response(error_body(message), status=exc.status)
     except Exception as exc:  # a bug: this request fails, the server goes on
         log.exception("request failed", method=request.method, route=request.path)
+        if STREAM_END in request:
+            return await request[STREAM_END](exc)
         status, body = error_response(exc)
         return web.json_response(body, status=status)
 
