@@ -15,6 +15,7 @@ been validated, so they are reported with the other problems (see
 """
 
 import json
+import math
 import re
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -382,12 +383,28 @@ def _validate_refs(config: BaseModel, section: str, plugins: Plugins, problems: 
 def _validate_model(
     model: type[BaseModel], value: dict[str, Any], section: str, problems: list[Problem]
 ) -> BaseModel | None:
+    infinite = list(_non_finite(value, section))
+    if infinite:  # TOML's inf and nan: no setting means them (an lr of inf trains NaN weights)
+        problems.extend(Problem(path, f"must be a finite number, got {number}") for path, number in infinite)
+        return None
     try:
         return model.model_validate(value)
     except pydantic.ValidationError as exc:
         for error in exc.errors(include_url=False):
             problems.append(_problem_from_pydantic(model, section, error))
         return None
+
+
+def _non_finite(value: Any, path: str):
+    """``(path, value)`` of every float in ``value`` (a section's dict, nested) that is inf or nan."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, f"{path}[{index}]")
 
 
 def _problem_from_pydantic(model: type[BaseModel], section: str, error: dict[str, Any]) -> Problem:

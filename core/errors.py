@@ -18,6 +18,12 @@ class ServerError(I3Error):
     """An inference server answered with an error or could not be reached."""
 
 
+class RequestRefused(ServerError):
+    """An inference server refused one request as malformed (a 4xx: a prompt longer than its context, a field out
+    of bounds). The request's fault, not the server's: the rollout that asked is counted as failed and the server
+    is not marked down (a :class:`ServerError` still, for callers that do not tell them apart)."""
+
+
 class SequenceFailed(I3Error):
     """One generation failed alone on its server (non-finite logits, a sampler error); the server goes on.
 

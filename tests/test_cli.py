@@ -126,3 +126,53 @@ def test_new_plugin_env_kind_writes_an_env_package(tmp_path):
     assert "i3_register_envs" in source
     assert "ScriptedClient" in (root / "tests" / "test_i3_plugin_word_game.py").read_text()
     assert run_cli("new-plugin", "x", "--kind", "optimizer", "--dir", str(tmp_path)).returncode == 2
+
+
+def _short_run(tmp_path, *sets: str):
+    config = tmp_path / "p.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text())
+    sets = ("run.max_steps=4", "sft.steps=2", f"run.output_dir='{tmp_path / 'out'}'", *sets)
+    return run_cli("run", str(config), *(arg for s in sets for arg in ("--set", s)))
+
+
+def test_a_run_whose_rollouts_all_fail_stops_with_the_last_error(tmp_path):
+    """Prompts longer than the engine's context: every request is refused (the engine is not marked down for it),
+    and the run stops once FAILED_IN_A_ROW rollouts failed one after another, instead of waiting forever."""
+    result = _short_run(tmp_path, "inference.max_len=8")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 1000 rollouts in a row failed") and "the prompt has" in last, last
+    assert "marked down" not in result.stderr
+
+
+def test_a_learning_rate_that_breaks_the_weights_stops_the_run(tmp_path):
+    """An SFT lr so high that step 1's weights overflow: the trainer refuses step 2's non-finite gradient (rather
+    than train on, and serve, NaN weights) and the run stops with one line."""
+    result = _short_run(tmp_path, "sft.lr=1e30")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    trainer_log = (tmp_path / "out" / "logs" / "trainer.log").read_text()
+    assert "error: sft step 2: the gradient is not finite" in trainer_log and "sft.lr = 1e+30" in trainer_log
+    assert result.stderr.strip().splitlines()[-1].startswith("error: sft step 2: the gradient is not finite")
+
+
+def test_a_role_started_without_resume_over_a_run_refuses(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = tmp_path / "p.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text())
+    where = ("--set", f"run.output_dir='{out}'")
+    for role in (("trainer",), ("orchestrator", "--servers", "http://127.0.0.1:9")):
+        result = run_cli(role[0], str(config), *where, *role[1:])
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "holds an earlier run (metrics.jsonl): continue it with --resume" in result.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_serve_on_an_unreadable_model_or_address_is_one_line(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("garbage")
+    result = run_cli("serve", str(model))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "cannot serve" in result.stderr and "JSONDecodeError" in result.stderr

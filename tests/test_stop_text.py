@@ -339,7 +339,7 @@ def run_stops_on_merged_tokens(hf_dir, tmp_path, *inference: str) -> None:
     assert len(merged) >= 3  # the BPE merged newlines with their neighbours
     lines = [line for step in (1, 2) for line in rollouts.read(out, step)[1] if line["completion_ids"]]
     stopped, merged = assert_stopped_at_the_stop_text(lines, tokenizer, "\n", 12, end_ids(model))
-    assert len(lines) >= 128 and stopped > merged > 0
+    assert len(lines) >= 128 and stopped >= merged > 0  # every stop may fall on a merged token (seen once in CI)
 
 
 @pytest.mark.slow

@@ -319,7 +319,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core.loop import trainer
+    from i3core.loop.resume import refuse_fresh_start_over
 
+    if not args.resume:  # a fresh trainer would retrain the run's batches over its checkpoints
+        refuse_fresh_start_over(_role_config(args)[0].run.out)
     return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides), *["--resume"] * args.resume])
 
 
@@ -408,6 +411,10 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
     from i3core.loop import roles
 
     config, plugins = _role_config(args)
+    if not args.resume:  # a fresh orchestrator would write its batches and metrics over the run's
+        from i3core.loop.resume import refuse_fresh_start_over
+
+        refuse_fresh_start_over(config.run.out)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
     return roles.orchestrate(config, plugins, args.servers, resume=args.resume)
 

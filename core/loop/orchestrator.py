@@ -45,7 +45,7 @@ from typing import Any
 import structlog
 
 from i3core.loop.checkpoint import OrchestratorState
-from i3core.errors import EngineFailed, I3Error, RolloutMasked, ServerError
+from i3core.errors import EngineFailed, I3Error, RequestRefused, RolloutMasked, ServerError
 from i3core.loop.events import end_step, group_kept
 from i3core.files import atomic_torch_save
 from i3core.loop.packing import assign_advantages, concat, pack, sample_from_rollout
@@ -67,6 +67,10 @@ PROBE_FIRST_S = 0.5
 PROBE_MAX_S = 8.0
 ALL_DOWN_TIMEOUT_S = 300.0
 """With every server down this long (none re-admitted), the run fails instead of waiting forever."""
+FAILED_IN_A_ROW = 1000
+"""Rollouts failed (or refused by their server) one after another, none scored between them, after which the run
+fails with the last one's error: nothing can train (a prompt longer than the engine's context, weights gone NaN,
+an env that always raises), and going on would only burn the dataset and fill the log."""
 FILTERED = "group_filtered"
 """Masked reason of the rollouts of a group that an ``i3_on_group_scored`` plugin dropped."""
 NONFINITE_REWARD = "nonfinite_reward"
@@ -207,6 +211,8 @@ class Orchestrator:
         self._ready_at: dict[int, tuple[int, int]] = {}
         """Per finished group in ``_ready`` (by ``id(group)``): its stream position and the oldest policy version
         of its tokens (what :meth:`_cut_batch` checks for staleness at every try, counted once)."""
+        self._failed_in_a_row = 0
+        """Rollouts failed since the last one that came back (:data:`FAILED_IN_A_ROW`)."""
         self._wake = asyncio.Event()
         self._cut = asyncio.Event()
         """Set whenever a batch is cut (``self.step`` moved on)."""
@@ -321,7 +327,7 @@ class Orchestrator:
             error = None if task.cancelled() else task.exception()
             if isinstance(error, EngineFailed):  # the in-process engine broke: nothing can generate any more
                 raise error
-            if requeue or isinstance(error, ServerError):
+            if requeue or (isinstance(error, ServerError) and not isinstance(error, RequestRefused)):
                 if error is not None:
                     self._mark_down(job.slot, error)
                 self.ledger.requeued += 1
@@ -342,9 +348,14 @@ class Orchestrator:
                 self.ledger.failed += 1
                 self._log_unscored(group.example, rollout_log.FAILED, f"{type(error).__name__}: {error}")
                 log.warning("rollout failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
+                self._failed_in_a_row += 1
+                if self._failed_in_a_row >= FAILED_IN_A_ROW:
+                    raise I3Error(f"{self._failed_in_a_row} rollouts in a row failed, none succeeded between them; "
+                                  f"the last: {type(error).__name__}: {error}") from None
             elif error is not None:
                 raise error
             else:
+                self._failed_in_a_row = 0
                 rollout = task.result()
                 self.plugins.hook.i3_on_rollout_finished(rollout=rollout)
                 group.rollouts.append(rollout)

@@ -370,7 +370,10 @@ class Trainer:
                                 self.config.trainer.logprob_chunk, where=mask)
             loss = -(lp * mask).sum() / total
             (loss * self.world).backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm)
+            norm = _plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.trainer.max_grad_norm))
+            if not math.isfinite(norm):
+                raise I3Error(f"sft step {step}: the gradient is not finite (norm {norm}, loss {loss.item()}): "
+                              f"a learning rate too high for this model (sft.lr = {cfg.lr}) is the usual cause")
             optimizer.step()
             if self.rank == 0 and (step % 50 == 0 or step == cfg.steps):
                 print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4),
@@ -435,6 +438,10 @@ class Trainer:
                     param.grad.div_(max(total, 1))
             sums.loss /= max(total, 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm)
+        if not math.isfinite(_plain(grad_norm)):  # the step would make every weight NaN: stop before it
+            raise I3Error(f"step {version + 1}: the gradient is not finite (norm {_plain(grad_norm)}, loss "
+                          f"{sums.loss}): the weights stay those of step {version}; a learning rate too high for "
+                          "this model (optimizer.lr) is the usual cause")
         optimizer.step()
         loss_sum, abs_diff, n_tokens = sums.loss, sums.abs_diff, sums.tokens
         same_diff, same_tokens, kl_sum, kl_tokens = sums.same_diff, sums.same_tokens, sums.kl, sums.kl_tokens

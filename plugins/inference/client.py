@@ -8,10 +8,13 @@ import os
 
 import aiohttp
 
-from i3core.errors import SequenceFailed, ServerError
+from i3core.errors import RequestRefused, SequenceFailed, ServerError
 from i3core.lifetime import ADMIN_TOKEN_ENV
 from i3core.types import Completion
 
+REFUSALS = frozenset({400, 401, 403, 404, 413, 422})
+"""Statuses that refuse the request itself (its fields, its size, its credentials, its route): raised as
+:class:`~i3core.errors.RequestRefused`, the server not marked down (it answers, and would answer the same again)."""
 REQUEST_TIMEOUT_S = 600.0
 """A generation may wait behind a full batch; the default bound only catches a dead server."""
 
@@ -49,6 +52,8 @@ class InferenceClient:
                     message = error.get("message", data) if isinstance(error, dict) else data
                     if isinstance(error, dict) and error.get("code") == "sequence_failed":  # the server goes on
                         raise SequenceFailed(f"{self.base_url}{path}: {response.status} {message}")
+                    if response.status in REFUSALS:  # this request's fault: the server goes on
+                        raise RequestRefused(f"{self.base_url}{path}: {response.status} {message}")
                     raise ServerError(f"{self.base_url}{path}: {response.status} {message}")
                 return data
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a body that is not JSON

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from i3core.errors import EngineFailed, I3Error, Problem, SequenceFailed, ServerError
+from i3core.errors import EngineFailed, I3Error, Problem, RequestRefused, SequenceFailed, ServerError
 from i3core.plugins.inference.builtin import max_tokens_problems
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.protocol import BadRequest
@@ -117,7 +117,7 @@ class LocalClient:
         try:
             seq = self.server.new_sequence(request)
         except BadRequest as exc:  # what the HTTP client raises on a 400
-            raise ServerError(f"{LOCAL_URL}: {exc}") from None
+            raise RequestRefused(f"{LOCAL_URL}: {exc}") from None
         seq = await self.server.generate(seq)
         if seq.finish_reason == "error":
             raise SequenceFailed(f"{LOCAL_URL}: generation failed: {seq.error}")

@@ -632,6 +632,9 @@ def main(argv=None) -> None:
     except I3Error as exc:  # one line in the server's log; the source reports the exit
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except (OSError, ValueError) as exc:  # a config.json or a weights file that cannot be read
+        print(f"error: cannot serve {args.model_dir}: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        sys.exit(1)
     server.weight_roots = args.weights_root or [args.model_dir.resolve().parent]
     admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     if not args.no_admin and admin_token is None:
@@ -639,7 +642,11 @@ def main(argv=None) -> None:
     app = make_app(server, receiver, admin=not args.no_admin, admin_token=admin_token,
                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     announce = f"i3core server: {server.model_name} on http://{args.host}:{args.port}"
-    sys.exit(asyncio.run(serve(app, server, args.host, args.port, announce, args.shutdown_grace_s)))
+    try:
+        sys.exit(asyncio.run(serve(app, server, args.host, args.port, announce, args.shutdown_grace_s)))
+    except (OSError, OverflowError) as exc:  # the address cannot be bound (in use, not this host's, no such port)
+        print(f"error: cannot listen on {args.host}:{args.port}: {first_line(exc)}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _build(args: argparse.Namespace) -> tuple[Server, object]:
