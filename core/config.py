@@ -210,6 +210,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([Problem("", f"cannot read {path}: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 (a file saved as Latin-1 or UTF-16, a binary file)
+        byte = exc.object[exc.start:exc.start + 1]
+        problem = Problem("", f"{path} is not UTF-8 text (byte {exc.start}: {byte!r}); TOML files are UTF-8")
+        raise ConfigError([problem]) from None
     if path.suffix == ".json":  # a run's config.resolved.json, as the role processes read it
         try:
             return json.loads(text)

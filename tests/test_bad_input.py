@@ -21,7 +21,7 @@ BAD_CONFIGS = sorted((Path(__file__).parent / "bad_configs").glob("*.toml"))
 
 
 def expectations(path: Path) -> list[str]:
-    return [line.removeprefix("# expect:").strip() for line in path.read_text().splitlines()
+    return [line.removeprefix("# expect:").strip() for line in path.read_text(errors="replace").splitlines()
             if line.startswith("# expect:")]
 
 
