@@ -320,7 +320,7 @@ class OpenAIRoutes:
         tools = request.offered_tools()
         # the template writes its own special tokens (a BOS): the tokenizer adds none
         prompt_ids = await server.encode(server.model.render_chat(request.template_messages(), tools),
-                                   add_special_tokens=False, param="messages")
+                                         add_special_tokens=False, param="messages")
         # by default: the end of the assistant's turn, or of the text
         sampling = request.stream_sampling(server.engine.max_len, server.engine.vocab_size,
                                            end_ids(server.model, chat=True), end_ids(server.model))

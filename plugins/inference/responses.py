@@ -22,10 +22,10 @@ from pydantic import StringConstraints
 from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.protocol import (
     MAX_TOKENS,
+    STREAM_END,
     TOOL_CALL_OPEN,
     BadRequest,
     ChatRequest,
-    STREAM_END,
     RequestModel,
     ShuttingDown,
     StreamingFields,
@@ -111,7 +111,7 @@ class Responses:
                                    "max_completion_tokens": request.max_output_tokens})
         offered = chat.offered_tools()
         prompt_ids = await server.encode(server.model.render_chat(chat.template_messages(), offered),
-                                   add_special_tokens=False, param="input")
+                                         add_special_tokens=False, param="input")
         sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size,
                                         end_ids(server.model, chat=True), end_ids(server.model))
         instructions = request.instructions
