@@ -409,11 +409,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_orchestrator(args: argparse.Namespace) -> int:
     from i3core.cli import log
     from i3core.loop import roles
+    from i3core.loop.resume import refuse_fresh_start_over
 
     config, plugins = _role_config(args)
     if not args.resume:  # a fresh orchestrator would write its batches and metrics over the run's
-        from i3core.loop.resume import refuse_fresh_start_over
-
         refuse_fresh_start_over(config.run.out)
     log.configure(level=args.log_level, json_path=config.run.out / "logs" / "orchestrator.jsonl")
     return roles.orchestrate(config, plugins, args.servers, resume=args.resume)

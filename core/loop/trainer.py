@@ -437,9 +437,9 @@ class Trainer:
                 if param.grad is not None:
                     param.grad.div_(max(total, 1))
             sums.loss /= max(total, 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm)
-        if not math.isfinite(_plain(grad_norm)):  # the step would make every weight NaN: stop before it
-            raise I3Error(f"step {version + 1}: the gradient is not finite (norm {_plain(grad_norm)}, loss "
+        grad_norm = _plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tcfg.max_grad_norm))
+        if not math.isfinite(grad_norm):  # the step would make every weight NaN: stop before it
+            raise I3Error(f"step {version + 1}: the gradient is not finite (norm {grad_norm}, loss "
                           f"{sums.loss}): the weights stay those of step {version}; a learning rate too high for "
                           "this model (optimizer.lr) is the usual cause")
         optimizer.step()
@@ -458,7 +458,7 @@ class Trainer:
         metrics.update(
             {
                 "loss": loss_sum,
-                "grad_norm": _plain(grad_norm),
+                "grad_norm": grad_norm,
                 "mismatch/mean_abs_logprob_diff": abs_diff / max(n_tokens, 1),
                 # The trainer's own, whatever the loss: k3 = r - 1 - log r, r = exp(trainer - inference logprob)
                 "mismatch/kl": kl_sum / max(kl_tokens, 1),

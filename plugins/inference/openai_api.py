@@ -21,14 +21,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from i3core.errors import EngineFailed, SequenceFailed
+from i3core.errors import SequenceFailed
 from i3core.plugins.inference.engine import Request, Sequence
 from i3core.plugins.inference.observability import TRACE
 from i3core.text import end_ids, stop_index
 from i3core.plugins.inference.protocol import (
     REQUEST_MODELS,
     STREAM_END,
-    ShuttingDown,
     error_response,
     TOOL_CALL_OPEN,
     ChatRequest,
@@ -444,10 +443,8 @@ class OpenAIRoutes:
             await send([last])
             return out
 
-        try:
-            outputs = await together(one(i, seq) for i, seq in enumerate(seqs))
-        except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
-            return await send_error(response, exc)
+        # an error from here on (a failed sequence, the engine, a shutdown) is the stream's last event: STREAM_END
+        outputs = await together(one(i, seq) for i, seq in enumerate(seqs))
         served(http, sum(map(len, prompts)), outputs)
         self.server.requests_served += 1
         if sampling.include_usage:

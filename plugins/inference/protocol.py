@@ -852,7 +852,7 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         arguments = body.get("arguments", {})
         if isinstance(arguments, dict):
             arguments = json.dumps(arguments)
-        elif not isinstance(arguments, str):  # an object, or the JSON text of one (OpenAI's own form)
+        elif not isinstance(arguments, str):  # arguments are an object, or its JSON text (OpenAI's own form)
             continue
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": body["name"], "arguments": arguments}})

@@ -19,7 +19,6 @@ from typing import Annotated, Any, ClassVar, Literal
 from aiohttp import web
 from pydantic import StringConstraints
 
-from i3core.errors import EngineFailed, SequenceFailed
 from i3core.plugins.inference.protocol import (
     MAX_TOKENS,
     STREAM_END,
@@ -27,7 +26,6 @@ from i3core.plugins.inference.protocol import (
     BadRequest,
     ChatRequest,
     RequestModel,
-    ShuttingDown,
     StreamingFields,
     bounded,
     check_fields,
@@ -169,9 +167,9 @@ class Responses:
         item (``output_item.added``, ``content_part.added``, ``output_text.delta``..., ``output_text.done``,
         ``content_part.done``, ``output_item.done``); for each call, a function_call item
         (``output_item.added``, ``function_call_arguments.delta``/``.done``, ``output_item.done``); then
-        ``response.completed`` (status ``incomplete`` when ``max_output_tokens`` ended it, as vLLM sends it). A
-        sequence, engine or shutdown error after the 200 ends the stream with ``response.failed`` (the response
-        with status ``failed`` and its ``error``)."""
+        ``response.completed`` (status ``incomplete`` when ``max_output_tokens`` ended it, as vLLM sends it). An
+        error after the 200 (a failed sequence, the engine, a shutdown, a bug) ends the stream with
+        ``response.failed`` (the response with status ``failed`` and its ``error``), through :data:`STREAM_END`."""
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(http)
         number = 0
@@ -209,10 +207,7 @@ class Responses:
             text += piece
             await send("response.output_text.delta", delta=piece, logprobs=[], **where)
 
-        try:
-            out = await self.routes._run(seq, sampling, hold, on_delta)
-        except (SequenceFailed, EngineFailed, ShuttingDown) as exc:  # the 200 is sent: the error is an event
-            return await failed(exc)
+        out = await self.routes._run(seq, sampling, hold, on_delta)  # an error ends the stream: STREAM_END
         self.served(http, prompt_tokens, [out])
         output = []
         if text:
