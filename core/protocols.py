@@ -214,8 +214,10 @@ class CausalLM(Protocol):
         """Hidden states ``[B, S, H]`` of new tokens ``input_ids`` ``[B, S]`` of the sequences held in cache
         ``slots`` ``[B]`` at ``positions`` ``[B, S]``; their keys and values are written into the cache, and
         token ``(b, s)`` attends to entries ``0..positions[b, s]`` of its own slot. A prefill passes one
-        prompt or several of the same length ``S`` (``B >= 1``, positions ``0..S-1`` each); a decode step one token
-        of every running sequence (``S = 1``). Run under
+        prompt or several of the same length ``S`` (``B >= 1``, positions ``0..S-1`` each; the builtin engine pads
+        shorter prompts at their end, so the entries a slot holds past its sequence's position are left for its
+        own later tokens to write over before they read them); a decode step one token of every running sequence
+        (``S = 1``). Run under
         ``torch.no_grad``; the outputs equal :meth:`forward`'s for the same tokens.
         """
 

@@ -162,12 +162,13 @@ def test_n_sequences_of_one_prompt_share_one_prefill_and_draw_apart(builtins):
     forward = net.forward_cached
     net.forward_cached = lambda ids, *rest: calls.append(tuple(ids.shape)) or forward(ids, *rest)
     seqs = [engine.add(Request([5, 6, 7, 8], max_tokens=6, seed=i)) for i in range(4)]
-    engine.add(Request([1, 2], max_tokens=6, seed=9))
+    short = engine.add(Request([1, 2], max_tokens=6, seed=9))
     run_all(engine)
-    # the shared prompt computed once (its cache entries copied to the other 3 slots), then one decode of all five
-    assert calls[:3] == [(1, 4), (1, 2), (5, 1)]
+    # the shared prompt computed once (its cache entries copied to the other 3 slots) in one forward with the
+    # shorter prompt, padded to its length, then one decode of all five
+    assert calls[:2] == [(2, 4), (5, 1)]
     assert len({tuple(s.token_ids) for s in seqs}) > 1
-    for seq in seqs:
+    for seq in [*seqs, short]:  # the padded prompt's completion as if it had been alone
         ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)
         assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4
 
@@ -217,6 +218,10 @@ def test_prompt_logprobs_come_from_the_prefill_and_match_a_full_forward(builtins
         assert [[t for t, _ in top] for top in seq.prompt_top_logprobs[1:]] == best.indices.tolist()
     assert alone.token_ids == [] and alone.finish_reason == "length" and alone in finished
     assert len(alone.prompt_logprobs) == 3 and all(top == [] for top in alone.prompt_top_logprobs)
+    with torch.no_grad():  # prefilled with the longer prompts, padded: its own tokens' logprobs all the same
+        short = torch.log_softmax(net.logits(net(torch.tensor([[4, 4, 1]]))).float(), dim=-1)[0]
+    assert alone.prompt_logprobs[1:] == [pytest.approx(short[0, 4].item(), abs=1e-4),
+                                         pytest.approx(short[1, 1].item(), abs=1e-4)]
     assert plain.prompt_logprobs == [] and len(plain.token_ids) == 2
     assert not engine.running and sorted(engine._free) == list(range(4))  # every slot back
 

@@ -1,9 +1,10 @@
 """A continuous-batching generation engine over a KV cache, for the builtin inference server.
 
 Scheduling: requests wait in a FIFO queue; before every decode step, waiting
-requests take free cache slots (up to ``max_slots``) and are prefilled, those
-of one prompt length together in one forward, a prompt several of them share
-(the ``n`` choices of a request, a group's completions) once; then one decode
+requests take free cache slots (up to ``max_slots``) and are prefilled, prompts
+of several lengths right-padded into one forward while the pads stay few
+(:func:`prefill_batches`), a prompt several of them share (the ``n`` choices
+of a request, a group's completions) once; then one decode
 step runs every running sequence together. A request that asks for its prompt's
 logprobs gets them from that same prefill forward (one LM head over the prompt's positions).
 A finished sequence frees its slot at once, so a new request joins on the next
@@ -287,13 +288,13 @@ class Engine(EngineBase):
         :return: the sequences that finished in this step.
         """
         finished = []
-        admitted: dict[int, list[Sequence]] = {}
+        admitted: list[Sequence] = []
         while self.waiting and self._free:
             seq = self.waiting.pop(0)
             seq.slot = self._free.pop(self._free.index(min(self._free)))  # the lowest: live slots stay packed
-            admitted.setdefault(len(seq.request.prompt_ids), []).append(seq)
-        for length, seqs in admitted.items():  # prompts of one length: one forward
-            seqs, hidden = self._prefill(length, seqs)
+            admitted.append(seq)
+        if admitted:
+            seqs, hidden = self._prefill(admitted)
             generating = [i for i, seq in enumerate(seqs) if seq.request.max_tokens > 0]
             if len(generating) < len(seqs):
                 hidden = hidden[torch.tensor(generating, dtype=torch.long)]
@@ -322,10 +323,15 @@ class Engine(EngineBase):
         if callable(clear):
             clear(torch.tensor([slot]))
 
-    def _prefill(self, length: int, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
-        """Prefill ``seqs`` (prompts of ``length`` tokens) in one forward; ``(seqs, hidden [B, H])`` of each one's
-        last prompt token, in a new order. A prompt several of them share (a group's completions) is computed
-        once and its cache entries copied to the others' slots, where the cache can (``copy_slots``)."""
+    def _prefill(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """Prefill ``seqs``; ``(seqs, hidden [B, H])`` of each one's last prompt token, in a new order.
+
+        A prompt several of them share (a group's completions) is computed once and its cache entries copied to
+        the others' slots, where the cache can (``copy_slots``). The prompts computed go in as few forwards as
+        :func:`prefill_batches` allows, each right-padded to its longest prompt: a token attends to its own
+        slot's entries up to its position only, so no prompt token sees a pad, and a pad's entries, past its
+        prompt, are written over by the sequence's own tokens before anything reads them.
+        """
         share = callable(getattr(self.cache, "copy_slots", None))
         unique: list[Sequence] = []
         row: dict = {}  # a prompt and its prompt_logprobs (each sequence its own where the cache cannot copy) -> row
@@ -337,24 +343,36 @@ class Engine(EngineBase):
             else:
                 row[key] = len(unique)
                 unique.append(seq)
-        prompts = torch.tensor([seq.request.prompt_ids for seq in unique])
-        positions = torch.arange(length).expand(len(unique), length)
-        hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in unique]))
-        self._prompt_logprobs(unique, prompts, hidden)
+        computed: list[Sequence] = []
+        last: list[torch.Tensor] = []
+        for batch in prefill_batches(unique):
+            lengths = [len(seq.request.prompt_ids) for seq in batch]
+            width = max(lengths)
+            prompts = torch.tensor([seq.request.prompt_ids + seq.request.prompt_ids[-1:] * (width - length)
+                                    for seq, length in zip(batch, lengths)])
+            positions = torch.arange(width).expand(len(batch), width)
+            hidden = self.model.forward_cached(prompts, positions, self.cache, torch.tensor([s.slot for s in batch]))
+            self._prompt_logprobs(batch, prompts, hidden, lengths)
+            last.append(hidden[torch.arange(len(batch)), torch.tensor(lengths) - 1])
+            computed += batch
+        hidden = torch.cat(last) if len(last) > 1 else last[0]
         for seq, r in copies:
             seq.prompt_logprobs, seq.prompt_top_logprobs = unique[r].prompt_logprobs, unique[r].prompt_top_logprobs
             seq.prompt_ranks = unique[r].prompt_ranks
-        hidden = hidden[:, -1]
         if copies:
-            rows = torch.tensor([r for _, r in copies])
+            at = {id(seq): i for i, seq in enumerate(computed)}
+            rows = torch.tensor([at[id(unique[r])] for _, r in copies])
+            length = max(len(seq.request.prompt_ids) for seq, _ in copies)  # entries past a prompt: written over
             self.cache.copy_slots(torch.tensor([unique[r].slot for _, r in copies]),
                                   torch.tensor([seq.slot for seq, _ in copies]), length)
             hidden = torch.cat([hidden, hidden[rows]])
-        return unique + [seq for seq, _ in copies], hidden
+        return computed + [seq for seq, _ in copies], hidden
 
-    def _prompt_logprobs(self, seqs: list[Sequence], prompts: torch.Tensor, hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(self, seqs: list[Sequence], prompts: torch.Tensor, hidden: torch.Tensor,
+                         lengths: list[int]) -> None:
         """Fill ``prompt_logprobs`` of the ``seqs`` that ask, from their prefill's hidden states ``[B, L, H]``
-        (``prompts`` ``[B, L]``): each token's logprob under the model given the tokens before it."""
+        (``prompts`` ``[B, L]``, each ``lengths`` tokens long and padded past them): each token's logprob under the
+        model given the tokens before it."""
         rows = [i for i, seq in enumerate(seqs) if seq.request.prompt_logprobs is not None]
         if not rows:
             return
@@ -366,11 +384,11 @@ class Engine(EngineBase):
         k = max(seqs[i].request.prompt_logprobs for i in rows)
         best, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1) if k else (None, None)
         for j, i in enumerate(rows):
-            seq, asked = seqs[i], seqs[i].request.prompt_logprobs
-            seq.prompt_logprobs, seq.prompt_ranks = [None, *chosen[j]], [None, *ranks[j]]
-            seq.prompt_top_logprobs = [[]] + ([list(zip(t, b)) for t, b in zip(ids[j, :, :asked].tolist(),
-                                                                                best[j, :, :asked].tolist())]
-                                              if asked else [[] for _ in chosen[j]])
+            seq, asked, n = seqs[i], seqs[i].request.prompt_logprobs, lengths[i] - 1  # the pads' places left out
+            seq.prompt_logprobs, seq.prompt_ranks = [None, *chosen[j][:n]], [None, *ranks[j][:n]]
+            seq.prompt_top_logprobs = [[]] + ([list(zip(t, b)) for t, b in zip(ids[j, :n, :asked].tolist(),
+                                                                                best[j, :n, :asked].tolist())]
+                                              if asked else [[] for _ in range(n)])
 
     def stage(self, path: Path) -> dict[str, torch.Tensor]:
         """Load the safetensors of the HF directory ``path`` into a state of this model: every name and shape is
@@ -415,6 +433,29 @@ class Engine(EngineBase):
             seq.versions.append(self.version)
             if seq.request.top_logprobs:
                 seq.top_logprobs.append(top)
+
+
+PREFILL_PADDING = 1.5
+"""A prefill forward takes prompts of several lengths while its tokens, every prompt right-padded to the longest,
+stay within this factor of the prompts' own: each forward costs a fixed dispatch of the whole model besides its
+tokens (on a CPU, as much as its compute for short prompts), so fewer forwards outweigh a few pads."""
+
+
+def prefill_batches(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """``seqs`` in the batches of one prefill forward each: by prompt length, shortest first, each batch taking
+    the next longer prompt while its padded tokens (its rows x its longest prompt) stay within
+    :data:`PREFILL_PADDING` x its prompts' own tokens."""
+    batches: list[list[Sequence]] = []
+    tokens = 0
+    for seq in sorted(seqs, key=lambda s: len(s.request.prompt_ids)):
+        length = len(seq.request.prompt_ids)
+        if batches and (len(batches[-1]) + 1) * length <= PREFILL_PADDING * (tokens + length):
+            batches[-1].append(seq)
+            tokens += length
+        else:
+            batches.append([seq])
+            tokens = length
+    return batches
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, float, list] | str]:
