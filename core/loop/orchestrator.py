@@ -530,15 +530,17 @@ class Orchestrator:
             while self.step <= step:  # no step ends before its batch is cut: no polling while it generates
                 self._cut.clear()
                 await self._cut.wait()
+            while not self.weight_sync.is_ready(self.paths.broadcasts, step):
+                await asyncio.sleep(TRAINER_POLL_S if self._running else TRAINER_POLL_IDLE_S)
+            served = step - self.scheduler.weight_update_lag
+            if served > self.served_version:  # at once: the trainer writes its metrics meanwhile
+                await self._update_servers(served)
             metrics_path = self.paths.trainer_metrics(step)  # built once a step, polled
-            while not (metrics_path.exists() and self.weight_sync.is_ready(self.paths.broadcasts, step)):
+            while not metrics_path.exists():
                 await asyncio.sleep(TRAINER_POLL_S if self._running else TRAINER_POLL_IDLE_S)
             trainer_metrics = json.loads(metrics_path.read_text())
             if self.config.trainer.streams_groups:
                 self._remove_parts(step)
-            served = step - self.scheduler.weight_update_lag
-            if served > self.served_version:
-                await self._update_servers(served)
             in_flight = self._in_flight()
             if unaccounted := self.ledger.unaccounted(in_flight):
                 log.error("rollout ledger does not add up", step=step, unaccounted=unaccounted)
