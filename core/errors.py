@@ -14,6 +14,15 @@ class PluginError(I3Error):
     """A plugin is broken: it fails to import, misnames a hook or clashes with another."""
 
 
+class HookFailed(PluginError):
+    """A plugin's event hook raised (the core calls them through :meth:`i3core.manager.Plugins.call`): the line
+    names the plugin and the hook; ``__cause__`` is what the plugin raised."""
+
+    def __init__(self, message: str, hook: str):
+        super().__init__(message)
+        self.hook = hook
+
+
 class ServerError(I3Error):
     """An inference server answered with an error or could not be reached."""
 

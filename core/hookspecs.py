@@ -211,7 +211,10 @@ def i3_on_run_end(config, status):
     """The run is ending.
 
     Called once per role process, also when the run fails or is interrupted,
-    after the last metrics are written.
+    after the last metrics are written. An implementation that raises after a
+    completed run makes the process exit 1 with a line that says the run
+    completed and names the plugin; after a failed or interrupted run it is a
+    warning and the run's own error stands.
 
     :param config: the validated :class:`i3core.config.RunConfig`.
     :param status: ``"completed"``, ``"failed"`` or ``"interrupted"``.

@@ -22,7 +22,7 @@ import pluggy
 import structlog
 
 from i3core import PROJECT_NAME, hookspecs
-from i3core.errors import PluginError, did_you_mean
+from i3core.errors import HookFailed, PluginError, did_you_mean
 from i3core.registry import KINDS, Provider, Registry
 
 DISABLE_ENV = "I3CORE_DISABLE_PLUGINS"
@@ -77,6 +77,23 @@ class Plugins:
     def hook(self) -> Any:
         """``plugins.hook.i3_on_step_end(step=..., metrics=...)`` calls every implementation."""
         return self.pm.hook
+
+    def call(self, hook: str, **kwargs: Any) -> list:
+        """Call event hook ``hook`` on every implementation, as ``plugins.hook.<hook>(**kwargs)`` does; how the core
+        calls them. A plugin's own tests call ``plugins.hook`` and see its exceptions unchanged.
+
+        :return: the implementations' results.
+        :raises HookFailed: an implementation raised; names its plugin and the hook (the error is the cause).
+        """
+        caller = getattr(self.pm.hook, hook)
+        try:
+            return caller(**kwargs)
+        except Exception as exc:
+            plugin = _raised_in(caller, exc)
+            if plugin is None:  # pluggy's own error (a hook called with a wrong argument): the core's bug
+                raise
+            error = f"{type(exc).__name__}: {_first_line(exc)}"
+            raise HookFailed(f"{self.provider(plugin)} failed in {hook}: {error}", hook) from exc
 
     def register(self, plugin: object, name: str | None = None, provider: Provider | None = None) -> str:
         """Register one plugin object (a module, class or instance) and its components.
@@ -198,6 +215,18 @@ def _distribution(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
     if dist is None:
         return UNKNOWN_DISTRIBUTION.distribution, UNKNOWN_DISTRIBUTION.version
     return dist.metadata["Name"], dist.version
+
+
+def _raised_in(caller: Any, exc: BaseException) -> str | None:
+    """The name of the plugin whose implementation of ``caller``'s hook ``exc`` came out of: the outermost frame
+    of its traceback that runs an implementation's code (pluggy calls each from its own loop)."""
+    plugins = {getattr(impl.function, "__code__", None): impl.plugin_name for impl in caller.get_hookimpls()}
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in plugins:
+            return plugins[tb.tb_frame.f_code]
+        tb = tb.tb_next
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -176,3 +176,47 @@ def test_serve_on_an_unreadable_model_or_address_is_one_line(tmp_path):
     result = run_cli("serve", str(model))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "cannot serve" in result.stderr and "JSONDecodeError" in result.stderr
+
+
+RAISING_PLUGIN = """
+import os
+from i3core import hookimpl
+
+@hookimpl
+def i3_on_step_end(step):
+    if os.environ["RAISE_IN"] == "i3_on_step_end" and step == 2:
+        raise ValueError("boom")
+
+@hookimpl
+def i3_on_run_end(status):
+    if os.environ["RAISE_IN"] == "i3_on_run_end":
+        raise ValueError("boom")
+"""
+
+
+def test_a_plugin_that_raises_in_an_event_hook_is_one_line_naming_it_and_the_hook(tmp_path):
+    """An installed plugin raising in i3_on_step_end stops the run with its name and the hook (no "internal
+    error"); raising in i3_on_run_end after the last step, the line says that the run completed."""
+    import os
+
+    from .test_manager import install_dist
+
+    site = tmp_path / "site"
+    site.mkdir()
+    install_dist(site, "i3-plugin-raising", "raising", RAISING_PLUGIN, ep_name="my_plugin")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    config = tmp_path / "p.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text())
+    for hook in ("i3_on_step_end", "i3_on_run_end"):
+        out = tmp_path / hook
+        sets = ("run.max_steps=3", "sft.steps=2", f"run.output_dir='{out}'")
+        result = run_cli("run", str(config), *(arg for s in sets for arg in ("--set", s)),
+                         env={**env, "RAISE_IN": hook})
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        last = result.stderr.strip().splitlines()[-1]
+        failed = f"plugin 'my_plugin' from i3-plugin-raising 1.0 failed in {hook}: ValueError: boom"
+        if hook == "i3_on_run_end":
+            assert last == f"error: the run completed (its checkpoints and metrics are in {out}), then {failed}"
+            assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+        else:
+            assert last == f"error: {failed}"

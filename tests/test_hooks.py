@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pluggy
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -85,6 +86,66 @@ def test_hook_i3_on_run_end(builtins, tmp_path):
     assert statuses == ["interrupted"]
 
 
+def test_a_plugin_that_raises_in_an_event_hook_is_named_with_the_hook(builtins):
+    """The core calls event hooks through Plugins.call: the error names the plugin that raised and the hook, the
+    plugin's exception is its cause; ``plugins.hook`` (a plugin's own tests) still raises it unchanged."""
+    from i3core.errors import HookFailed
+
+    class Fine:
+        @hookimpl
+        def i3_on_step_end(self, step, metrics):
+            metrics["fine"] = 1.0
+
+    class Broken:
+        @hookimpl
+        def i3_on_step_end(self, step):
+            raise ValueError("boom")
+
+    builtins.register(Fine(), name="fine")
+    builtins.register(Broken(), name="my_plugin")
+    with pytest.raises(HookFailed) as failed:
+        end_step(builtins, [], 2, {})
+    assert str(failed.value) == "plugin 'my_plugin' from (registered directly) - failed in i3_on_step_end: " \
+                                "ValueError: boom"
+    assert isinstance(failed.value.__cause__, ValueError) and failed.value.hook == "i3_on_step_end"
+    with pytest.raises(ValueError, match="boom"):
+        builtins.hook.i3_on_step_end(step=2, metrics={})
+    builtins.unregister("my_plugin")
+    with pytest.raises(pluggy.HookCallError), pytest.warns(UserWarning):  # a wrong call: the core's bug, no plugin's
+        builtins.call("i3_on_step_end", step=2)
+
+
+@pytest.mark.parametrize("fails_in", ["i3_on_run_start", None])
+def test_a_plugin_that_raises_in_i3_on_run_end_after_a_completed_run_says_the_run_completed(builtins, tmp_path,
+                                                                                            fails_in):
+    """After a completed run: the error says so and names the plugin. After a failed one: the run's own error is
+    raised and the end hook's is a warning. The components are closed either way."""
+    from i3core.errors import HookFailed
+    from i3core.loop.run import RunEndFailed
+
+    class Plugin:
+        @hookimpl
+        def i3_on_run_start(self):
+            if fails_in == "i3_on_run_start":
+                raise RuntimeError("no start")
+
+        @hookimpl
+        def i3_on_run_end(self, status):
+            raise ValueError(f"no end after {status}")
+
+    builtins.register(Plugin(), name="ender")
+    config = validate({"run": {"output_dir": str(tmp_path)}, "metrics": {"use": "jsonl"}}, builtins)
+    with pytest.raises(HookFailed) as failed:
+        execute(config, builtins)
+    if fails_in:
+        assert not isinstance(failed.value, RunEndFailed) and failed.value.hook == "i3_on_run_start"
+        assert "failed in i3_on_run_start: RuntimeError: no start" in str(failed.value)
+    else:
+        assert isinstance(failed.value, RunEndFailed) and str(failed.value) == (
+            f"the run completed (its checkpoints and metrics are in {tmp_path}), then plugin 'ender' from "
+            "(registered directly) - failed in i3_on_run_end: ValueError: no end after completed")
+
+
 def test_hook_i3_on_group_scored(builtins):
     class Shape:
         @hookimpl
@@ -101,8 +162,8 @@ def test_hook_i3_on_group_scored(builtins):
     builtins.register(DropFlat(), name="drop-flat")
     varied = Group(Example("a", "p"), [_rollout(0.0), _rollout(1.0)])
     flat = Group(Example("b", "p"), [_rollout(1.0), _rollout(1.0)])
-    assert group_kept(builtins.hook, varied) and varied.rewards() == [0.0, 2.0]
-    assert not group_kept(builtins.hook, flat)
+    assert group_kept(builtins, varied) and varied.rewards() == [0.0, 2.0]
+    assert not group_kept(builtins, flat)
 
 
 def test_hook_i3_on_step_end(builtins, tmp_path):
@@ -114,7 +175,7 @@ def test_hook_i3_on_step_end(builtins, tmp_path):
     builtins.register(AddMetric(), name="add")
     sink = make_component("metric_sink", "jsonl", plugins=builtins)
     sink.open(tmp_path)
-    end_step(builtins.hook, [sink], 3, {"loss": 0.5})
+    end_step(builtins, [sink], 3, {"loss": 0.5})
     sink.close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 3, "loss": 0.5, "custom/double_step": 6.0}\n'
 

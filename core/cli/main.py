@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from i3core import __version__
-from i3core.errors import ConfigError, I3Error
+from i3core.errors import ConfigError, HookFailed, I3Error
 from i3core.files import disk_full
 
 DEBUG_ENV = "I3CORE_DEBUG"
@@ -593,19 +593,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{count} problem{'s' if count != 1 else ''} in {getattr(args, 'config', 'the config')}", file=sys.stderr)
         return exc.exit_code
     except I3Error as exc:
+        if isinstance(exc, HookFailed) and _debug():  # a plugin's bug: its author wants the traceback
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        if _debug():
             raise
         if disk_full(exc):
             print(f"error: {_full_disk_line(args, exc)}", file=sys.stderr)
             return 1
         print(f"internal error: {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         return 1
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def _full_disk_line(args: argparse.Namespace, exc: BaseException) -> str:

@@ -357,7 +357,7 @@ class Orchestrator:
             else:
                 self._failed_in_a_row = 0
                 rollout = task.result()
-                self.plugins.hook.i3_on_rollout_finished(rollout=rollout)
+                self.plugins.call("i3_on_rollout_finished", rollout=rollout)
                 group.rollouts.append(rollout)
             if group.outstanding == 0:
                 self._score_group(group)
@@ -389,7 +389,7 @@ class Orchestrator:
     def _close_group(self, group: Group, position: int) -> None:
         if not group.rollouts:
             return
-        if not group_kept(self.plugins.hook, group):
+        if not group_kept(self.plugins, group):
             self.ledger.mask(FILTERED, len(group.rollouts))
             for rollout in group.rollouts:
                 self._log(rollout, rollout_log.MASKED.format(reason=FILTERED))
@@ -481,7 +481,7 @@ class Orchestrator:
             groups = self._streamed + groups
             self._streamed, self._parts = [], []
         rollouts = [r for g in groups for r in g.rollouts]
-        self.plugins.hook.i3_on_batch(batch=batch, step=step)
+        self.plugins.call("i3_on_batch", batch=batch, step=step)
         if self.before_cut is not None:
             self.before_cut()
         self.ledger.trained += len(rollouts)
@@ -554,7 +554,7 @@ class Orchestrator:
             env_metrics = getattr(self.env, "metrics", None)
             if env_metrics is not None:
                 metrics.update(env_metrics())
-            end_step(self.plugins.hook, self.sinks, step, metrics, self._samples.pop(step, []))
+            end_step(self.plugins, self.sinks, step, metrics, self._samples.pop(step, []))
             if self.progress is not None:
                 self.progress(step, metrics)
             step += 1
@@ -582,7 +582,7 @@ class Orchestrator:
                 self._mark_down(slot, result)
         self.served_version = version
         self._wake.set()
-        self.plugins.hook.i3_on_weights_updated(version=version)
+        self.plugins.call("i3_on_weights_updated", version=version)
 
     # -- main loop -----------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import structlog
 from i3core.loop import resume as resume_path
 from i3core.loop.checkpoint import OrchestratorState
 from i3core.config import TRAINING_SECTIONS, RunConfig, with_defaults
-from i3core.errors import I3Error
+from i3core.errors import HookFailed, I3Error
 from i3core.manager import Plugins
 from i3core.lifetime import mark_run
 from i3core.loop.checkpoint import full_disk_message
@@ -131,21 +131,43 @@ def execute(config: RunConfig, plugins: Plugins, resume: bool = False) -> int:
 @contextmanager
 def lifecycle(run: Run, before_end: Callable[[], None] | None = None) -> Iterator[None]:
     """``i3_on_run_start``, the block, then however it ends (``completed``, ``failed`` or ``interrupted``):
-    ``before_end()``, ``i3_on_run_end`` with that status, the components closed and one log line."""
+    ``before_end()``, ``i3_on_run_end`` with that status, the components closed and one log line.
+
+    A plugin that fails in ``i3_on_run_end`` after the block failed is a warning (the run's own error is the one
+    shown); after a completed block it is the error, saying that the run completed (:class:`RunEndFailed`)."""
     status = "failed"
     try:
-        run.plugins.hook.i3_on_run_start(config=run.config, output_dir=run.output_dir)
+        run.plugins.call("i3_on_run_start", config=run.config, output_dir=run.output_dir)
         yield
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
-        if before_end is not None:
-            before_end()
-        run.plugins.hook.i3_on_run_end(config=run.config, status=status)
-        run.close()
-        log.info("run ended", status=status, output_dir=str(run.output_dir))
+        try:
+            if before_end is not None:
+                before_end()
+            _end(run, status)
+        finally:
+            run.close()
+            log.info("run ended", status=status, output_dir=str(run.output_dir))
+
+
+class RunEndFailed(HookFailed):
+    """Every step of the run is done and saved; then a plugin failed in ``i3_on_run_end`` (exit 1: what the plugin
+    does at the end, an upload or a report, did not happen)."""
+
+
+def _end(run: Run, status: str) -> None:
+    """``i3_on_run_end`` with ``status``; see :func:`lifecycle` for a plugin that fails in it."""
+    try:
+        run.plugins.call("i3_on_run_end", config=run.config, status=status)
+    except HookFailed as exc:
+        if status != "completed":  # the run's own error (or the interrupt) is on its way up
+            log.warning("a plugin failed at the end of the run", error=str(exc))
+            return
+        raise RunEndFailed(f"the run completed (its checkpoints and metrics are in {run.output_dir}), then {exc}",
+                           exc.hook) from exc.__cause__
 
 
 def train(run: Run, start: OrchestratorState | None = None) -> None:
