@@ -115,6 +115,47 @@ def test_latest_skips_half_written_checkpoints_and_prune_keeps_the_newest(tmp_pa
     assert checkpoint.complete_steps(root) == [4] and (root / "step_6").exists()
 
 
+def _fake_checkpoint(root, step):
+    """The files of a checkpoint, small but real (torch files, an orchestrator state)."""
+    directory = checkpoint.checkpoint_dir(root, step)
+    directory.mkdir(parents=True)
+    torch.save({"model": {"w": torch.ones(64)}, "step": step}, directory / checkpoint.MODEL)
+    torch.save({"step": step, "world": 1}, directory / checkpoint.TRAINER)
+    torch.save({"state": {}}, directory / checkpoint.optimizer_file(0))
+    OrchestratorState(step=step, next_position=step, redraw=[]).save(directory / checkpoint.ORCHESTRATOR)
+    return directory
+
+
+def test_a_damaged_newest_checkpoint_is_named_skipped_with_a_warning_and_set_aside(tmp_path):
+    """A resume falls back to the newest whole checkpoint (every role's state of one step is in it); the damaged
+    one is renamed so that keep_checkpoints never keeps it over the steps trained again. All damaged: one line."""
+    from structlog.testing import capture_logs
+
+    from i3core.loop import resume
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        _fake_checkpoint(root, step)
+    model = root / "step_6" / checkpoint.MODEL
+    model.write_bytes(model.read_bytes()[:100])  # cut short
+    (root / "step_4" / checkpoint.ORCHESTRATOR).write_text("{")
+    assert f"checkpoint file {model} cannot be read (" in checkpoint.damage(root, 6)
+    assert "cannot read the orchestrator state" in checkpoint.damage(root, 4)
+    assert checkpoint.damage(root, 2) is None
+    with capture_logs() as logs:
+        assert resume.start_step(tmp_path, required=True) == 2
+    assert [(e["checkpoint"], e["resume_from"]) for e in logs] == [("step_6", "step_2"), ("step_4", "step_2")]
+    with pytest.raises(checkpoint.I3Error, match=f"checkpoint file {model} cannot be read .*: it is damaged"):
+        checkpoint.read_torch(model)
+    resume.rewind(tmp_path, 2)
+    assert checkpoint.complete_steps(root) == [2]
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.damaged", "step_6.damaged"]
+    (root / "step_2" / checkpoint.optimizer_file(0)).write_bytes(b"")
+    with pytest.raises(checkpoint.I3Error, match=r"no checkpoint to resume from: checkpoint file .*step_2/"
+                                                 r"optimizer-rank0.pt cannot be read"):
+        resume.start_step(tmp_path, required=False)  # not a start over on top of the run
+
+
 def test_drop_after_and_truncate_metrics_undo_steps_after_the_checkpoint(tmp_path):
     for name in ("step_3", "step_4", ".step_5.tmp", "step_10.sent", "step_2.pt", "STABLE"):
         (tmp_path / name).write_text("")
@@ -223,6 +264,27 @@ def test_resume_without_a_checkpoint_and_a_fresh_run_over_an_old_one_are_one_lin
     assert changed.returncode == 1
     assert stderr.strip().splitlines()[-1] == "error: --resume continues the run as it was started; " \
                                               "changed: trainer.seq_len"
+
+
+@pytest.mark.slow
+def test_a_run_whose_newest_checkpoint_is_cut_short_resumes_from_the_one_before(tmp_path):
+    """The probe's case: model.pt of the newest checkpoint truncated. --resume names it in one warning, goes on
+    from the checkpoint before, and trains the run to its end with every metrics row once, in order."""
+    out = tmp_path / "run"
+    sets = ["sft.steps=2", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"]
+    first = start_run(out, "run.max_steps=3", *sets)
+    _, stderr = first.communicate(timeout=400)
+    assert first.returncode == 0, stderr[-2000:]
+    model = out / "checkpoints" / "step_3" / checkpoint.MODEL
+    model.write_bytes(model.read_bytes()[:1000])
+    resumed = start_run(out, "run.max_steps=5", *sets, resume=True)
+    _, stderr = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, stderr[-2000:]
+    warnings = [line for line in stderr.splitlines() if "damaged checkpoint" in line]
+    assert len(warnings) == 1 and f"checkpoint file {model} cannot be read" in warnings[0]
+    assert "resume_from=step_2" in warnings[0]
+    assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4, 5]
+    assert (out / "checkpoints" / "step_3.damaged" / checkpoint.MODEL).stat().st_size == 1000
 
 
 def fill(directory):

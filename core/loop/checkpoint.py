@@ -16,6 +16,11 @@ a temporary directory, removed at the next start. Only after the rename are
 checkpoints beyond the newest ``keep`` deleted, so the last complete one
 survives any failure while writing the next (a full disk included).
 
+A checkpoint damaged after it was written (a file cut short by a copy, a bad disk) is found before a resume
+reads it (:func:`damage`): the resume falls back to the newest whole one, which is safe because each
+``step_N`` holds the state of every role at the same step; the damaged one is set aside as
+``step_N.damaged`` (:func:`set_aside_damaged`), never resumed from nor counted by ``keep``.
+
 How a run continues from a checkpoint (``--resume``, every role) is :mod:`i3core.loop.resume`; this module
 holds the files.
 """
@@ -24,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,6 +41,8 @@ PREFIX = "step_"
 MODEL = "model.pt"
 TRAINER = "trainer.pt"
 ORCHESTRATOR = "orchestrator.json"
+DAMAGED = ".damaged"
+"""The suffix a damaged checkpoint is renamed with: kept for a person to look at, no longer a ``step_N``."""
 _STEP_NAME = re.compile(r"^\.?step_(\d+)(?:\b|_|\.)")
 
 
@@ -78,6 +86,53 @@ def prune(root: Path, keep: int) -> None:
     """Delete complete checkpoints beyond the newest ``keep``."""
     for step in complete_steps(root)[:-keep]:
         shutil.rmtree(checkpoint_dir(root, step), ignore_errors=True)
+
+
+def read_torch(path: Path):
+    """``torch.load`` of a checkpoint file.
+
+    :raises I3Error: the file is missing, cut short or damaged; the line names it and why.
+    """
+    try:
+        return torch.load(path, weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:  # pickle's UnpicklingError is a ValueError
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: BaseException) -> I3Error:
+    reason = str(exc).split(". ")[0] or type(exc).__name__  # torch's zip errors go on with a paragraph of advice
+    return I3Error(f"checkpoint file {path} cannot be read ({reason}): it is damaged or cut short")
+
+
+def damage(root: Path, step: int) -> str | None:
+    """Why complete checkpoint ``step`` under ``root`` cannot be resumed from (one line naming the file), or None.
+
+    Reads ``trainer.pt`` (small), the orchestrator state, and only the zip directory at the end of the model and
+    optimizer files, not their tensors: a file cut short has none, and the check costs the same on any model.
+    """
+    directory = checkpoint_dir(root, step)
+    try:
+        world = read_torch(directory / TRAINER)["world"]
+        for path in (directory / MODEL, *(directory / optimizer_file(rank) for rank in range(world))):
+            try:
+                zipfile.ZipFile(path).close()
+            except (OSError, zipfile.BadZipFile) as exc:
+                raise _unreadable(path, exc) from None
+        if (directory / ORCHESTRATOR).exists():
+            OrchestratorState.load(directory / ORCHESTRATOR)
+    except I3Error as exc:
+        return str(exc)
+    return None
+
+
+def set_aside_damaged(root: Path, after: int) -> None:
+    """Rename each complete checkpoint after step ``after`` that is damaged to ``step_N.damaged``: a run resumed
+    from ``after`` trains those steps again, and :func:`prune` must not keep a damaged checkpoint over them."""
+    for step in complete_steps(root):
+        if step > after and damage(root, step) is not None:
+            target = checkpoint_dir(root, step).with_name(f"{PREFIX}{step}{DAMAGED}")
+            shutil.rmtree(target, ignore_errors=True)  # an earlier damaged copy of the same step
+            os.replace(checkpoint_dir(root, step), target)
 
 
 def drop_after(directory: Path, step: int) -> None:
@@ -166,11 +221,11 @@ def load_model(root: Path, step: int, model: torch.nn.Module, base: dict | None)
     """Load ``model.pt`` of checkpoint ``step`` under ``root`` into the (unsharded) ``model``, refusing another
     ``base`` (:func:`check_base`); a checkpoint of trained tensors alone fills those.
 
-    :raises I3Error: no complete checkpoint ``step``, or another base.
+    :raises I3Error: no complete checkpoint ``step``, a damaged ``model.pt``, or another base.
     """
     if step not in complete_steps(root):
         raise I3Error(f"no complete checkpoint step_{step} under {root}")
-    saved = torch.load(checkpoint_dir(root, step) / MODEL, weights_only=False)
+    saved = read_torch(checkpoint_dir(root, step) / MODEL)
     check_base(saved, base, step)
     model.load_state_dict(saved["model"], strict=trained_names(model) is None)
 

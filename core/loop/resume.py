@@ -5,7 +5,8 @@ disk. What it keeps is its newest complete checkpoint N (:mod:`i3core.loop.check
 model, optimizer, schedule, RNG, and the orchestrator's state when it cut batch N).
 Continuing is four moves, always in this order:
 
-1. **Decide** (:func:`start_step`): N is the newest complete checkpoint. With none,
+1. **Decide** (:func:`start_step`): N is the newest complete checkpoint that is not damaged
+   (newer, damaged ones get a warning each and are set aside at the rewind). With none,
    ``i3core run --resume`` is an error; a role started with ``--resume`` starts the
    run over (a job requeued before its first checkpoint).
 2. **Check** (:func:`check_unchanged`): the config is the one the run started with
@@ -16,7 +17,8 @@ Continuing is four moves, always in this order:
    it: the batches the orchestrator cut for later steps with their saved states and
    rollouts, the trainer's metrics of later steps, weight versions N and later (version N is
    published again), rows of later steps in metrics.jsonl (rows up to N that never
-   reached it are rebuilt from the saved step states), STOP and RESTART. Steps after N
+   reached it are rebuilt from the saved step states), STOP and RESTART; damaged checkpoints after N are
+   renamed ``step_K.damaged``. Steps after N
    are then trained once more, from the checkpoint: a step the trainer had not
    finished is redone once, and no step is trained twice in the model's history.
 4. **Start every role from N**: the trainer loads checkpoint N and publishes its
@@ -86,15 +88,30 @@ RESUME_FREE = {"trainer": {"checkpoint_every", "keep_checkpoints", "threads", "m
 
 
 def start_step(out: Path, required: bool) -> int | None:
-    """The step the run in ``out`` continues from: its newest complete checkpoint; None to start over.
+    """The step the run in ``out`` continues from: its newest complete checkpoint that is not damaged (one warning
+    for each newer, damaged one: :func:`rewind` sets those aside); None to start over.
 
     :param required: a run without a checkpoint is an error (``i3core run --resume``), not a start over.
+    :raises I3Error: every checkpoint is damaged (the run is not started over on top of its history).
     """
-    step = checkpoint.latest(out / "checkpoints")
-    if step is None and required:
-        raise I3Error(f"nothing to resume: no complete checkpoint under {out / 'checkpoints'} "
+    root = out / "checkpoints"
+    steps = checkpoint.complete_steps(root)
+    if not steps and required:
+        raise I3Error(f"nothing to resume: no complete checkpoint under {root} "
                       "(run without --resume to start; set trainer.checkpoint_every to write them)")
-    return step
+    damaged = []
+    for step in reversed(steps):
+        why = checkpoint.damage(root, step)
+        if why is None:
+            for newer, reason in damaged:
+                log.warning("a damaged checkpoint is skipped", checkpoint=f"step_{newer}", resume_from=f"step_{step}",
+                            reason=reason)
+            return step
+        damaged.append((step, why))
+    if damaged:
+        raise I3Error(f"no checkpoint to resume from: {damaged[0][1]}"
+                      + (f" (and the {len(damaged) - 1} older ones are damaged too)" if len(damaged) > 1 else ""))
+    return None
 
 
 def refuse_fresh_start_over(out: Path) -> None:
@@ -155,6 +172,7 @@ def rewind(out: Path, step: int) -> None:
     if step:
         _restore_missing_rows(paths, metrics, step)
     checkpoint.clear_staging(paths.checkpoints)
+    checkpoint.set_aside_damaged(paths.checkpoints, step)
     for marker in (paths.stop(), paths.restart()):
         marker.unlink(missing_ok=True)
 

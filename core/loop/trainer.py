@@ -554,7 +554,7 @@ class Trainer:
         directory = checkpoint.checkpoint_dir(self.paths.checkpoints, step)
         if step not in checkpoint.complete_steps(self.paths.checkpoints):
             raise I3Error(f"no complete checkpoint step_{step} under {self.paths.checkpoints}")
-        state = torch.load(directory / checkpoint.TRAINER, weights_only=False)
+        state = checkpoint.read_torch(directory / checkpoint.TRAINER)
         if state["world"] != self.world:
             raise I3Error(f"checkpoint step_{step} was written by {state['world']} trainer processes; resume it "
                           f"with trainer.nproc = {state['world']} (now {self.world})")
@@ -563,7 +563,7 @@ class Trainer:
 
     def _resume_optimizer(self, optimizer, schedule) -> None:
         directory = checkpoint.checkpoint_dir(self.paths.checkpoints, self.resume_step)
-        saved = torch.load(directory / checkpoint.optimizer_file(self.rank), weights_only=False)
+        saved = checkpoint.read_torch(directory / checkpoint.optimizer_file(self.rank))
         checkpoint.load_local_optimizer_state(optimizer, saved)
         schedule.load_state_dict(self._trainer_state["lr_schedule"])
         torch.set_rng_state(self._trainer_state["rng"])
