@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from i3core.errors import ConfigError, I3Error, Problem, did_you_mean
 from i3core.manager import Plugins, load_plugins
@@ -44,6 +44,21 @@ class RunSection(BaseModel):
                                                   "tokens, reward, outcome); `i3core rollouts RUN_DIR` prints them.")
     rollouts_max_mb: float = Field(1024.0, gt=0, description="Size cap of rollouts/: the oldest step files are "
                                                              "deleted first.")
+
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if value == "":  # Path("") is the working directory: a run would write its files among the user's
+            raise ValueError('must name a directory (leave it out for runs/<name>, or write "." for this one)')
+        return value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _a_directory(cls, path: Path | None) -> Path | None:
+        existing = next((p for p in (path, *path.parents) if p.exists()), None) if path is not None else None
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"{existing} is a file, not a directory")
+        return path
 
     @property
     def out(self) -> Path:

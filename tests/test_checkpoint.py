@@ -156,6 +156,19 @@ def test_a_damaged_newest_checkpoint_is_named_skipped_with_a_warning_and_set_asi
         resume.start_step(tmp_path, required=False)  # not a start over on top of the run
 
 
+@pytest.mark.parametrize("garbage", ["not json", "[1, 2]", '{"run": 5}', b"\xff\xfe"])
+def test_a_garbage_config_resolved_json_on_resume_is_one_line_naming_it(tmp_path, garbage, builtins):
+    from i3core.config import validate
+    from i3core.loop import resume
+
+    config = validate({"run": {"output_dir": str(tmp_path)}}, builtins)
+    saved = tmp_path / "config.resolved.json"
+    saved.write_bytes(garbage if isinstance(garbage, bytes) else garbage.encode())
+    with pytest.raises(checkpoint.I3Error, match=f"^{saved} (cannot be read|is not a JSON object of config sections)"
+                                                 ".*: it records the config the run started with"):
+        resume.check_unchanged(config)
+
+
 def test_drop_after_and_truncate_metrics_undo_steps_after_the_checkpoint(tmp_path):
     for name in ("step_3", "step_4", ".step_5.tmp", "step_10.sent", "step_2.pt", "STABLE"):
         (tmp_path / name).write_text("")

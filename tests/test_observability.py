@@ -168,3 +168,19 @@ def test_plot_command_on_a_folder_without_metrics_is_one_line(tmp_path):
     result = run_cli("plot", str(tmp_path))
     assert result.returncode == 1 and result.stderr.splitlines() == [
         f"error: {tmp_path / 'metrics.jsonl'} does not exist: is {tmp_path} a run directory?"]
+
+
+def test_plot_command_on_a_diverged_run_draws_what_it_can(tmp_path):
+    """A loss of 1e308 (matplotlib's axis arithmetic overflows on it) or inf is left out of its view, as nan is; a
+    counter that is not a number counts 0; a config.resolved.json that is not JSON leaves the folder's name."""
+    rows = [{"step": s, "loss": loss, "reward/mean": 0.1 * s, "rollouts/trained": 64 * s, "rollouts/failed": 0,
+             "time/elapsed_s": float(s)} for s, loss in enumerate([0.5, 1e308, -1e308, 0.25], 1)]
+    rows[1]["rollouts/failed"] = "many"
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                            + '{"step": 5, "loss": Infinity}\n')
+    (tmp_path / "config.resolved.json").write_text("[1, 2]")
+    result = run_cli("plot", str(tmp_path))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.split()[-1] == str(tmp_path / "plots" / "index.html")
+    page = (tmp_path / "plots" / "index.html").read_text()
+    assert f"Run {tmp_path.name}" in page and "Metrics at step 5" in page

@@ -113,3 +113,25 @@ def test_wandb_sink_logs_a_sample_table_per_step(tmp_path):
     data = json.loads(next((tmp_path / "wandb").glob(f"offline-run-*/files/{table_file}")).read_text())
     assert data["columns"][:4] == ["step", "env", "outcome", "prompt"]
     assert data["data"][0][:5] == [1, "reverse-text", "trained", rollout.example.prompt, "cba"]  # the text scored
+
+
+def test_rollouts_command_skips_malformed_lines_with_a_count(tmp_path):
+    """Lines that are not rollouts (not JSON, not an object, token lists that are not lists) are skipped with one
+    warning naming their numbers; a file with none readable is one error line."""
+    _, _, tokenizer, (rollout,) = scored(["cba\n"])
+    log = rollouts.RolloutLog(tmp_path, keep=True, max_bytes=1 << 20)
+    for _ in range(2):
+        log.add(rollouts.record(rollout, rollouts.TRAINED, "reverse-text", tokenizer))
+    log.write(3)
+    path = tmp_path / "rollouts" / "step_3.jsonl"
+    good = path.read_text().splitlines()
+    path.write_text("\n".join([good[0], "garbage", "[1, 2]", '{"versions": 5}', '{"prompt": "p"}', good[1]]) + "\n")
+    shown = run_cli("rollouts", str(tmp_path))
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert shown.stdout.startswith("step 3: 3 rollouts")
+    (warning,) = shown.stderr.strip().splitlines()
+    assert "malformed lines skipped" in warning and "count=3" in warning and "lines=[2, 3, 4]" in warning
+    path.write_text("garbage\n[1]\n")
+    none = run_cli("rollouts", str(tmp_path))
+    assert none.returncode == 1 and none.stderr.strip().splitlines() == [
+        f"error: {path} has no readable rollout: its 2 lines are not rollout objects"]

@@ -41,6 +41,9 @@ from i3core.errors import I3Error
 RESOLVED = ("rollouts/trained", "rollouts/dropped_stale", "rollouts/masked", "rollouts/failed")
 """The ledger buckets a started rollout ends in; their per-step increase is the step's resolved rollouts."""
 DPI = 100
+MAX_PLOTTED = 1e300
+"""Values beyond ±this are left out of a view, as inf and nan are: matplotlib's axis arithmetic (margins, tick
+spacing) overflows near float's largest value (1.8e308). A diverged loss of 1e308 still shows in index.html."""
 
 
 @dataclass
@@ -97,8 +100,8 @@ def _number(value) -> bool:
 
 
 def _deltas(rows: list[dict], key: str) -> list[float]:
-    """Per-step increase of a cumulative counter (the first step's from 0)."""
-    values = [float(r.get(key) or 0) for r in rows]
+    """Per-step increase of a cumulative counter (the first step's from 0; a row without a number counts 0)."""
+    values = [float(r[key]) if _number(r.get(key)) else 0.0 for r in rows]
     return [b - a for a, b in zip([0.0, *values], values)]
 
 
@@ -151,12 +154,19 @@ VIEWS = [
 ]
 
 
+def _plottable(series: Series) -> Series:
+    points = [(step, v) for step, v in zip(series.steps, series.values) if math.isfinite(v) and abs(v) <= MAX_PLOTTED]
+    return Series(series.label, [p[0] for p in points], [p[1] for p in points])
+
+
 def _draw(ax, view: View, rows: list[dict]) -> None:
-    lines = view.series(rows)
+    found = view.series(rows)
+    lines = [s for s in map(_plottable, found) if s.steps]
     for s in lines:
         ax.plot(s.steps, s.values, marker="." if len(s.steps) < 50 else None, label=s.label)
     if not lines:
-        ax.text(0.5, 0.5, "not in metrics.jsonl", ha="center", va="center", transform=ax.transAxes, color="gray")
+        text = "not in metrics.jsonl" if not found else f"no value within ±{MAX_PLOTTED:g}"
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
     elif len(lines) > 1:
         ax.legend(fontsize="small")
     ax.set_title(view.title)
@@ -207,10 +217,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
 def summary_html(run_dir: Path, rows: list[dict]) -> str:
     """A page with every view (relative links) and the last step's metrics."""
-    resolved = run_dir / "config.resolved.json"
-    name = run_dir.name
-    if resolved.exists():
-        name = json.loads(resolved.read_text()).get("run", {}).get("name", name)
+    name = _run_name(run_dir)
     last = rows[-1]
     cells = "\n".join(f"<tr><td>{html.escape(k)}</td><td>{_format(v)}</td></tr>" for k, v in sorted(last.items()))
     figures = "\n".join(f'<figure><img src="{v.name}.png" alt="{html.escape(v.title)}">'
@@ -235,6 +242,15 @@ table {{ border-collapse: collapse; }} td {{ border: 1px solid #ccc; padding: 2p
 </table>
 </body></html>
 """
+
+
+def _run_name(run_dir: Path) -> str:
+    """``run.name`` of the run's ``config.resolved.json``; the folder's name when it has none readable."""
+    try:
+        name = json.loads((run_dir / "config.resolved.json").read_text(encoding="utf-8"))["run"]["name"]
+    except (OSError, ValueError, TypeError, KeyError):  # none, not JSON, or not a config
+        return run_dir.name
+    return name if isinstance(name, str) else run_dir.name
 
 
 def _format(value) -> str:

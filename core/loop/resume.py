@@ -133,7 +133,7 @@ def check_unchanged(config: RunConfig) -> None:
     saved = config.run.out / "config.resolved.json"
     if not saved.exists():
         return
-    before, now = json.loads(saved.read_text()), config.to_dict()
+    before, now = _started_with(saved), config.to_dict()
     changed = [f"run.{k}" for k in ("seed",) if before.get("run", {}).get(k) != now.get("run", {}).get(k)]
     for section in RESUME_FIXED:
         old, new = before.get(section) or {}, now.get(section) or {}
@@ -145,6 +145,24 @@ def check_unchanged(config: RunConfig) -> None:
     if decay != "constant" and before.get("run", {}).get("max_steps") != config.run.max_steps:
         raise I3Error(f"run.max_steps cannot change on resume with trainer.lr_decay = {decay!r} (the decay ends at "
                       "max_steps); keep it, or start a new run")
+
+
+def _started_with(saved: Path) -> dict:
+    """The run's config as it started (``config.resolved.json``: a JSON object of sections).
+
+    :raises I3Error: the file is not that; the line says how to go on without the check.
+    """
+    try:
+        before = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # a UnicodeDecodeError is a ValueError
+        problem = f"cannot be read ({exc})"
+    else:
+        sections = ("run", *RESUME_FIXED)
+        if isinstance(before, dict) and all(isinstance(before.get(s) or {}, dict) for s in sections):
+            return before
+        problem = "is not a JSON object of config sections"
+    raise I3Error(f"{saved} {problem}: it records the config the run started with, which --resume checks; restore "
+                  "it, or delete it to resume without that check")
 
 
 # -- 3. rewind ----------------------------------------------------------------------------------------------

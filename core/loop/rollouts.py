@@ -128,7 +128,9 @@ def step_files(folder: Path) -> dict[int, Path]:
 
 
 def read(run_dir: Path, step: int | None = None) -> tuple[int, list[dict]]:
-    """``(step, lines)`` of ``step``'s file (default: the newest); an :class:`I3Error` for a bad dir or step."""
+    """``(step, lines)`` of ``step``'s file (default: the newest); an :class:`I3Error` for a bad dir or step, or a
+    file without one readable line. Malformed lines (a file edited or damaged) are skipped with one warning that
+    counts them and gives their numbers."""
     folder = RunPaths(run_dir).rollouts
     if not run_dir.is_dir():
         raise I3Error(f"{run_dir} is not a directory")
@@ -141,9 +143,34 @@ def read(run_dir: Path, step: int | None = None) -> tuple[int, list[dict]]:
     if step not in files:
         raise I3Error(f"{run_dir} has no rollouts of step {step} (steps {min(files)}-{max(files)} are kept)")
     try:
-        return step, [json.loads(line) for line in files[step].read_text().splitlines() if line.strip()]
+        text = files[step].read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:
         raise I3Error(f"{files[step]} cannot be read: {exc}") from None
+    lines, malformed = [], []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if raw.strip():
+            line = _parsed(raw)
+            (lines if line is not None else malformed).append(line if line is not None else number)
+    if malformed:
+        if not lines:
+            raise I3Error(f"{files[step]} has no readable rollout: its {len(malformed)} lines are not rollout objects")
+        log.warning("malformed lines skipped", file=str(files[step]), count=len(malformed), lines=malformed[:10])
+    return step, lines
+
+
+_TOKEN_LISTS = ("prompt_ids", "completion_ids", "loss_mask", "versions")
+
+
+def _parsed(raw: str) -> dict | None:
+    """The rollout of one line, or None if it is not one :func:`render` can show (not JSON, not an object, a token
+    list that is not a list, a version that is not a whole number)."""
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(line, dict) or not all(isinstance(line.get(k, []), list) for k in _TOKEN_LISTS):
+        return None
+    return line if all(isinstance(v, int) for v in line.get("versions", [])) else None
 
 
 def _text(value) -> str:
@@ -167,7 +194,7 @@ def render(step: int, lines: list[dict]) -> str:
     for index, line in enumerate(lines, 1):
         model = [v for v, m in zip(line.get("versions", []), line.get("loss_mask", [])) if m]
         versions = "-" if not model else f"{min(model)}" if min(model) == max(model) else f"{min(model)}-{max(model)}"
-        out.append(f"\n#{index} {line.get('env') or '-'} {line.get('example', '')}  {line['outcome']}  "
+        out.append(f"\n#{index} {line.get('env') or '-'} {line.get('example', '')}  {line.get('outcome') or '-'}  "
                    f"reward {_number(line.get('reward'))}  advantage {_number(line.get('advantage'))}  "
                    f"finish {line.get('finish_reason') or '-'}  tokens {len(line.get('prompt_ids', []))}+"
                    f"{len(line.get('completion_ids', []))} (trained {sum(map(bool, line.get('loss_mask', [])))})  "
