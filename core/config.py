@@ -31,6 +31,10 @@ from i3core.manager import Plugins, load_plugins
 from i3core.registry import KINDS, SECTION_KINDS, Component
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+"""What ``torch.manual_seed`` takes (``run.seed`` seeds torch's generators): a wider seed fails there, mid-start."""
+
+
 class RunSection(BaseModel):
     """``[run]``: what every role shares."""
 
@@ -39,7 +43,7 @@ class RunSection(BaseModel):
     name: str = Field("run", description="Run name, used in logs and as the default output folder.")
     output_dir: Path | None = Field(None, description="Where metrics, logs and checkpoints go; default runs/<name>.")
     max_steps: int = Field(40, ge=1, description="Trainer steps to run.")
-    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    seed: int = Field(0, ge=SEED_MIN, le=SEED_MAX, description="Seed for data order, sampling and initialisation.")
     keep_rollouts: bool = Field(True, description="Write every step's rollouts to rollouts/step_N.jsonl (text, "
                                                   "tokens, reward, outcome); `i3core rollouts RUN_DIR` prints them.")
     rollouts_max_mb: float = Field(1024.0, gt=0, description="Size cap of rollouts/: the oldest step files are "
@@ -407,11 +411,16 @@ def _validate_model(
         problems.extend(Problem(path, f"must be a finite number, got {number}") for path, number in infinite)
         return None
     try:
-        return model.model_validate(value)
+        validated = model.model_validate(value)
     except pydantic.ValidationError as exc:
         for error in exc.errors(include_url=False):
             problems.append(_problem_from_pydantic(model, section, error))
         return None
+    numbers = list(_booleans_as_numbers(value, validated, section))
+    if numbers:  # pydantic reads true as 1 where a number is expected; in TOML it is a switch, not a count
+        problems.extend(Problem(path, f"must be a number, got {str(flag).lower()} (a boolean)") for path, flag in numbers)
+        return None
+    return validated
 
 
 def _non_finite(value: Any, path: str):
@@ -424,6 +433,20 @@ def _non_finite(value: Any, path: str):
     elif isinstance(value, list):
         for index, item in enumerate(value):
             yield from _non_finite(item, f"{path}[{index}]")
+
+
+def _booleans_as_numbers(value: Any, validated: Any, path: str):
+    """``(path, value)`` of every boolean in ``value`` (a section's dict, nested) that validation made a number."""
+    if isinstance(value, bool):
+        if isinstance(validated, int | float) and not isinstance(validated, bool):
+            yield path, value
+    elif isinstance(value, dict) and isinstance(validated, BaseModel | dict):
+        for key, item in value.items():
+            found = validated.get(key) if isinstance(validated, dict) else getattr(validated, key, None)
+            yield from _booleans_as_numbers(item, found, f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(validated, list | tuple):
+        for index, (item, found) in enumerate(zip(value, validated)):
+            yield from _booleans_as_numbers(item, found, f"{path}[{index}]")
 
 
 def _problem_from_pydantic(model: type[BaseModel], section: str, error: dict[str, Any]) -> Problem:

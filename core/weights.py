@@ -153,17 +153,21 @@ class MaxLenTooLong(I3Error):
     exit_code = 2
 
 
-def check_max_len(model_dir: Path, max_len: int) -> None:
-    """:raises MaxLenTooLong: ``max_len`` above the ``max_position_embeddings`` of ``model_dir``'s
-    ``config.json`` (a model without one is not checked)."""
+def check_max_len(model_dir: Path, max_len: int, setting: str = "--max-len") -> None:
+    """:param setting: what the user gave ``max_len`` as, named in the error: a server's flag, or a run's
+        ``inference.max_len``.
+    :raises MaxLenTooLong: ``max_len`` above the ``max_position_embeddings`` of ``model_dir``'s
+        ``config.json`` (a model without one is not checked)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return  # the model component reports a missing or broken config itself
     positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
     if isinstance(positions, int) and max_len > positions:
-        raise MaxLenTooLong(f"--max-len {max_len} exceeds the model's max_position_embeddings ({positions}) in "
-                            f"{Path(model_dir) / 'config.json'}: give --max-len {positions} or less")
+        given, fix = (f"{setting} {max_len}", f"give {setting} {positions}") if setting.startswith("--") else (
+            f"{setting} = {max_len}", f"set {setting} = {positions}")
+        raise MaxLenTooLong(f"{given} exceeds the model's max_position_embeddings ({positions}) in "
+                            f"{Path(model_dir) / 'config.json'}: {fix} or less")
 
 
 def connect_receiver(spec: dict, rank: int, plugins=None) -> WeightReceiver:

@@ -220,3 +220,15 @@ def test_a_plugin_that_raises_in_an_event_hook_is_one_line_naming_it_and_the_hoo
             assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
         else:
             assert last == f"error: {failed}"
+
+
+def test_a_max_len_beyond_the_model_names_the_config_key_not_the_server_flag(tmp_path):
+    """inference.max_len above the model's positions: the run's line names the key the user wrote (the local
+    engine, and builtin servers, which once said only "--max-len" in their own log)."""
+    for name, source in (("local", ()), ("builtin", ("inference.use='builtin'", "inference.servers=1"))):
+        (tmp_path / name).mkdir()
+        result = _short_run(tmp_path / name, "inference.max_len=4096", *source)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: inference.max_len = 4096 exceeds the model's max_position_embeddings (2048)")
+        assert last.endswith("set inference.max_len = 2048 or less") and "--max-len" not in last

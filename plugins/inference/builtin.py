@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from i3core.errors import I3Error, Problem, ServerError
 from i3core.plugins.inference.client import InferenceClient
-from i3core.weights import STABLE, reading
+from i3core.weights import STABLE, check_max_len, reading
 
 log = structlog.get_logger("i3core.inference")
 
@@ -111,6 +111,8 @@ class ServerProcesses:
         allowed, a reader's lease holds ``model_dir`` when it is a weight version (it has a STABLE marker), so
         the weight sync does not prune the weights a restarted server loads.
         """
+        if receiver is None:  # said here with the run's key, not by each server with its --max-len flag
+            check_max_len(Path(model_dir), self.config.max_len, "inference.max_len")
         log_dir.mkdir(parents=True, exist_ok=True)
         restart = self.config.restarts > 0 and receiver is None
         if restart and (Path(model_dir) / STABLE).exists():

@@ -68,7 +68,8 @@ class LocalSource:
         component = model_component(spec["use"], {k: v for k, v in spec.items() if k != "use"})
         self.server = builtin_server(Path(model_dir), component, max_slots=self.config.max_slots,
                                      max_len=self.config.max_len, version=version, served_name="local",
-                                     scraped=False)  # no /metrics here: no per-token books
+                                     scraped=False,  # no /metrics here: no per-token books
+                                     max_len_setting="inference.max_len")
         return [LOCAL_URL]
 
     def client(self, url: str, tokenizer, stop_token_ids: list[int], stop: list[str] = ()) -> "LocalClient":

@@ -418,9 +418,10 @@ def model_component(name: str, options: dict, plugins=None) -> Model:
 
 
 def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: int, version: int,
-                   served_name: str | None = None, scraped: bool = True) -> Server:
+                   served_name: str | None = None, scraped: bool = True, max_len_setting: str = "--max-len") -> Server:
     """The engine of ``model`` (a :class:`~i3core.protocols.Model` component) on the weights of the HF
-    directory ``model_dir`` (``scraped``: whether its Prometheus books are kept, see :class:`Server`).
+    directory ``model_dir`` (``scraped``: whether its Prometheus books are kept, see :class:`Server`;
+    ``max_len_setting``: what the user gave ``max_len`` as, for :func:`~i3core.weights.check_max_len`).
 
     :raises I3Error: the model cannot be served by the builtin engine (it has no cached decode).
     """
@@ -428,7 +429,7 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
     if missing:
         raise I3Error(f"model {type(model).__name__} cannot be served by the builtin server (no "
                       f"{', '.join(missing)}); serve it with [inference] use = \"vllm\"")
-    check_max_len(model_dir, max_len)
+    check_max_len(model_dir, max_len, max_len_setting)
     engine = Engine(model.load_hf(model_dir), max_slots=max_slots, max_len=max_len, version=version,
                     tokenizer=model.tokenizer())
     return Server(engine, model, served_name or str(model_dir), scraped=scraped)

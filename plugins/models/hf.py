@@ -341,6 +341,26 @@ class ChatTokenizer:
 # -- the component ------------------------------------------------------------------------------------------------
 
 
+def hf_directory(path: Path) -> Path:
+    """A Config field that names a Hugging Face model directory (``hf``'s ``path``, ``tiny-moe``'s ``init_from``),
+    checked when the config is: resolved, so every role reads the same one whatever its working directory.
+
+    :raises ValueError: not a directory, no config.json, or one that names no ``model_type``.
+    """
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{path} has no config.json (not a Hugging Face model directory)")
+    try:
+        data = json.loads(config.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"{config} names no model_type")
+    return path.resolve()
+
+
 class HF:
     """A transformers causal LM from a local directory; meets :class:`i3core.protocols.Model`."""
 
@@ -364,18 +384,7 @@ class HF:
         @field_validator("path")
         @classmethod
         def _directory(cls, path: Path) -> Path:
-            if not path.is_dir():
-                raise ValueError(f"{path} is not a directory")
-            config = path / "config.json"
-            if not config.is_file():
-                raise ValueError(f"{path} has no config.json (not a Hugging Face model directory)")
-            try:
-                data = json.loads(config.read_text())
-            except ValueError as exc:
-                raise ValueError(f"{config} is not JSON: {exc}") from None
-            if not isinstance(data, dict) or "model_type" not in data:
-                raise ValueError(f"{config} names no model_type")
-            return path.resolve()  # every role reads the same directory, whatever its working directory
+            return hf_directory(path)
 
         @model_validator(mode="after")
         def _known(self):

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from i3core.errors import I3Error
 from i3core.plugins.models import lora
+from i3core.plugins.models.hf import hf_directory
 from i3core.plugins.models.lora import LoraOptions
 from i3core.plugins.models.tiny_moe import hf
 from i3core.plugins.models.tiny_moe.modeling import TinyMoEModel
@@ -52,6 +53,11 @@ class TinyMoE:
         lora: LoraOptions | None = Field(
             None, description="[model.lora]: train a LoRA adapter on the frozen base `init_from` (\"all-linear\": the "
                               "attention projections; the router is `router`); versions hold the adapter alone.")
+
+        @field_validator("init_from")
+        @classmethod
+        def _directory(cls, path: Path | None) -> Path | None:
+            return None if path is None else hf_directory(path)
 
         @model_validator(mode="after")
         def _shapes(self):
