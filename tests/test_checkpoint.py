@@ -399,6 +399,30 @@ def test_resume_rebuilds_the_rows_of_steps_the_checkpoint_holds_but_metrics_json
     assert_ledger(rows[2:])
 
 
+def test_resume_keeps_metrics_rows_in_step_order_and_drops_a_garbage_middle_row_with_a_warning(tmp_path):
+    """A garbage row 2 and a missing row 4 (the run died before writing it), checkpoint 4: row 4 is rebuilt after
+    row 3; row 2 is dropped, not rebuilt after the others (it once came back last, out of order)."""
+    from structlog.testing import capture_logs
+
+    from i3core.loop.paths import RunPaths
+    from i3core.loop.resume import rewind
+
+    paths = RunPaths(tmp_path)
+    paths.make()
+    for step in range(1, 5):
+        OrchestratorState(step=step, next_position=step, redraw=[], ledger={"started": 8 * step, "trained": 8 * step},
+                          batch_metrics={"reward/mean": 0.5}).save(paths.orchestrator_state(step))
+        paths.trainer_metrics(step).write_text(json.dumps({"loss": 0.1}))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 0.1}\n{"step": 2, "lo\x00ss\n{"step": 3, "loss": 0.1}\n')
+    with capture_logs() as logs:
+        rewind(tmp_path, 4)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3, 4] and rows[2]["resume/rebuilt_row"] == 1
+    warned = {e["event"]: e for e in logs if e["log_level"] == "warning"}
+    assert any(e.get("lines") == [2] for e in warned.values()) and any(e.get("steps") == [2] for e in warned.values())
+
+
 def test_a_launcher_that_outlives_its_ranks_is_stopped_and_the_trainer_failure_raised(tmp_path):
     """A torchrun that hangs after its rank was SIGKILLed (seen in CI) must not hold the run for ever."""
     import asyncio

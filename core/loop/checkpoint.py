@@ -148,25 +148,31 @@ def drop_after(directory: Path, step: int) -> None:
                 path.unlink(missing_ok=True)
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> list[int]:
     """Keep the rows of ``path`` (metrics.jsonl) up to ``step``; later ones are trained again after a resume.
-    The file is rewritten only when a row goes (a sink may hold it open for appending)."""
+    The file is rewritten only when a row goes (a sink may hold it open for appending).
+
+    :return: the numbers of the lines dropped because they are not a row (a line cut short by a crash, or
+        garbage), for the caller to warn about.
+    """
     if not path.exists():
-        return
-    kept = []
+        return []
+    kept, unreadable = [], []
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         try:
             row_step = json.loads(line).get("step")
         except (json.JSONDecodeError, AttributeError):
-            continue  # a line cut short by the crash
+            unreadable.append(number)
+            continue
         if isinstance(row_step, int) and row_step <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
     if kept == lines:
-        return
+        return unreadable
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+    return unreadable
 
 
 # -- the model's part ---------------------------------------------------------------------------------------

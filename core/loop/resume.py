@@ -186,7 +186,9 @@ def rewind(out: Path, step: int) -> None:
         checkpoint.drop_after(folder, step)
     checkpoint.drop_after(paths.broadcasts, step - 1)  # version N too: published again, nothing loads the old copy
     metrics = out / "metrics.jsonl"
-    checkpoint.truncate_metrics(metrics, step)
+    unreadable = checkpoint.truncate_metrics(metrics, step)
+    if unreadable:
+        log.warning("metrics.jsonl lines that are not rows are dropped", file=str(metrics), lines=unreadable)
     if step:
         _restore_missing_rows(paths, metrics, step)
     checkpoint.clear_staging(paths.checkpoints)
@@ -203,14 +205,21 @@ def _restore_missing_rows(paths: RunPaths, metrics: Path, step: int) -> None:
     """Rows of steps up to the checkpoint that never reached metrics.jsonl (the run died, or the disk filled,
     between the trainer's checkpoint and the orchestrator's row) are rebuilt from what both roles saved for
     that step: the batch's metrics and ledger (orchestrator/step_K.json, nothing in flight) and the trainer's
-    metrics (trainer/step_K.json). A step with neither file stays missing, with a warning."""
+    metrics (trainer/step_K.json). A step with neither file stays missing, with a warning. Only steps after the
+    last row are rebuilt (appended, the rows stay in step order); a row missing between two others (a garbage
+    line dropped) stays missing, with a warning."""
     from i3core.loop.orchestrator import Ledger
 
     present = set()
-    if metrics.exists():
+    if metrics.exists():  # truncate_metrics left only rows
         present = {json.loads(line)["step"] for line in metrics.read_text().splitlines()}
+    last = max(present, default=0)
+    gaps = [k for k in range(1, last) if k not in present]
+    if gaps:
+        log.warning("metrics rows missing between others stay missing (rebuilt, they would come out of step order)",
+                    steps=gaps)
     rows = []
-    for missing in (k for k in range(1, step + 1) if k not in present):
+    for missing in range(last + 1, step + 1):
         try:
             state = OrchestratorState.load(paths.orchestrator_state(missing))
             trained = json.loads(paths.trainer_metrics(missing).read_text())
