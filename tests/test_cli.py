@@ -232,3 +232,30 @@ def test_a_max_len_beyond_the_model_names_the_config_key_not_the_server_flag(tmp
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("error: inference.max_len = 4096 exceeds the model's max_position_embeddings (2048)")
         assert last.endswith("set inference.max_len = 2048 or less") and "--max-len" not in last
+
+
+def test_the_trainer_command_reads_its_config_once(tmp_path, monkeypatch):
+    """`i3core trainer` checks output_dir with the config it read, then hands that config to the trainer."""
+    import torch
+
+    from i3core import config as config_module
+    from i3core.cli.main import main
+    from i3core.errors import I3Error
+    from i3core.loop import trainer
+
+    reads = []
+    read_toml = config_module.read_toml
+    monkeypatch.setattr(config_module, "read_toml", lambda path: reads.append(path) or read_toml(path))
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this test process keeps its threads
+
+    class Built(I3Error):
+        """The trainer was built: far enough."""
+
+    def built(config, **_):
+        raise Built(f"trainer for {config.run.out}")
+
+    monkeypatch.setattr(trainer, "Trainer", built)
+    config = tmp_path / "p.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text())
+    assert main(["trainer", str(config), "--set", f"run.output_dir='{tmp_path / 'out'}'"]) == 1
+    assert reads == [config]

@@ -321,9 +321,11 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     from i3core.loop import trainer
     from i3core.loop.resume import refuse_fresh_start_over
 
+    config, _ = _role_config(args)
     if not args.resume:  # a fresh trainer would retrain the run's batches over its checkpoints
-        refuse_fresh_start_over(_role_config(args)[0].run.out)
-    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides), *["--resume"] * args.resume])
+        refuse_fresh_start_over(config.run.out)
+    return trainer.main([str(args.config), *(f"--set={o}" for o in args.overrides), *["--resume"] * args.resume],
+                        config=config)
 
 
 def cmd_sandbox_agent(args: argparse.Namespace) -> int:

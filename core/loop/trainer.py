@@ -701,7 +701,9 @@ def lr_schedule(optimizer, tcfg, max_steps: int) -> torch.optim.lr_scheduler.Lam
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def main(argv=None) -> int:
+def main(argv=None, config: RunConfig | None = None) -> int:
+    """The trainer role on one rank. :param config: the run's config when the caller has read it from ``argv``'s
+    config and overrides already (``i3core trainer``): it is not read again."""
     parser = argparse.ArgumentParser(prog="i3core trainer", description="The trainer role (run it under torchrun).")
     parser.add_argument("config", type=Path, help="plugins.toml or a run's config.resolved.json")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
@@ -709,10 +711,9 @@ def main(argv=None) -> int:
                         help="continue from checkpoint STEP of the run's output_dir (default: the newest complete "
                         "one; with none, the run starts over), undoing what the run did after it")
     args = parser.parse_args(argv)
-    config = None
     try:
-
-        config = with_defaults(*load_config(args.config, args.overrides))  # plugins.toml as `i3core run` reads it
+        if config is None:
+            config = with_defaults(*load_config(args.config, args.overrides))  # plugins.toml as `i3core run` reads it
         for section in ("model", "env", "loss", "optimizer", "weight_sync"):
             if config.get(section) is None:
                 raise I3Error(f"the trainer needs a [{section}] section")
