@@ -30,10 +30,18 @@ def torch_bytes(obj) -> memoryview:
 
 
 def write_torch(obj, path: Path) -> None:
-    """``torch.save(obj, path)``, failing with ``OSError`` on a full disk (see :func:`torch_bytes`)."""
-    data = torch_bytes(obj)
+    """``torch.save(obj, path)`` streamed to the file, failing with the ``OSError`` of a write that failed (ENOSPC
+    on a full disk), not the opaque RuntimeError torch's writer raises around it. Nothing is held in memory
+    beside ``obj``: a checkpoint serialised in memory first (:func:`torch_bytes`) would double the host memory
+    of a big model's state at every checkpoint."""
     with open(path, "wb") as file:
-        file.write(data)
+        try:
+            torch.save(obj, file)
+        except RuntimeError as exc:
+            failed = exc.__cause__ or exc.__context__
+            if isinstance(failed, OSError):
+                raise failed from None
+            raise
 
 
 def atomic_torch_save(obj, path: Path) -> None:

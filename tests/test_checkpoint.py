@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -298,6 +299,22 @@ def test_a_run_whose_newest_checkpoint_is_cut_short_resumes_from_the_one_before(
     assert "resume_from=step_2" in warnings[0]
     assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4, 5]
     assert (out / "checkpoints" / "step_3.damaged" / checkpoint.MODEL).stat().st_size == 1000
+
+
+def test_a_checkpoint_file_is_streamed_and_a_full_disk_is_its_oserror(tmp_path):
+    """write_torch holds no serialised copy of the state beside it, and a failed write is the OSError itself
+    (ENOSPC: /dev/full), which the trainer's checkpoint turns into its one line, not torch's RuntimeError."""
+    import errno
+
+    from i3core.files import write_torch
+
+    state = {"weights": torch.arange(1 << 20, dtype=torch.float32), "step": 3}
+    write_torch(state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert torch.equal(loaded["weights"], state["weights"]) and loaded["step"] == 3
+    with pytest.raises(OSError) as failed:
+        write_torch(state, Path("/dev/full"))
+    assert failed.value.errno == errno.ENOSPC
 
 
 def fill(directory):
