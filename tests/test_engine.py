@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from i3core.plugins.inference.engine import Engine, Request, Sequence, _truncate, draw, process_logits, sample
+from i3core.plugins.inference.engine import (PREFILL_PADDING, Engine, Request, Sequence, _truncate, draw,
+                                            prefill_batches, process_logits, sample)
 from i3core.testing import make_component
 
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
@@ -197,6 +198,17 @@ def test_sequences_in_scattered_slots_keep_exact_logprobs(builtins):
     for seq in seqs + late:
         ref = teacher_forced_logprobs(net, seq.request.prompt_ids, seq.token_ids)
         assert (ref - torch.tensor(seq.logprobs)).abs().max() < 1e-4
+
+
+def test_prefill_batches_pad_a_few_tokens_never_many():
+    seqs = [Sequence(i, Request([1] * n, 4)) for i, n in enumerate([14, 12, 13, 12, 200, 3, 190])]
+    batches = prefill_batches(seqs)
+    assert sorted(s.id for b in batches for s in b) == list(range(7))  # every sequence, once
+    for batch in batches:
+        lengths = [len(s.request.prompt_ids) for s in batch]
+        assert len(batch) * max(lengths) <= PREFILL_PADDING * sum(lengths)
+    # the quickstart's kind of batch, 12-14 tokens, in one forward; 3 tokens and ~200 each apart from it
+    assert [[len(s.request.prompt_ids) for s in b] for b in batches] == [[3], [12, 12, 13, 14], [190, 200]]
 
 
 def test_prompt_logprobs_come_from_the_prefill_and_match_a_full_forward(builtins):
