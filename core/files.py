@@ -1,8 +1,9 @@
 """Atomic file writes (write a temporary sibling, then rename it over the target) and full-disk errors."""
 
 import errno
-import io
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -11,29 +12,29 @@ DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """The temporary sibling to write ``path``'s new content to; renamed over ``path`` once the block ends, deleted
+    if a write failed."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_bytes(data)
+        yield tmp
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def torch_bytes(obj) -> memoryview:
-    """``torch.save(obj)`` in memory: written with Python's file I/O, a full disk is an ``OSError`` (ENOSPC),
-    not the opaque RuntimeError of torch's own writer."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getbuffer()
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with _replacing(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_torch(obj, path: Path) -> None:
     """``torch.save(obj, path)`` streamed to the file, failing with the ``OSError`` of a write that failed (ENOSPC
     on a full disk), not the opaque RuntimeError torch's writer raises around it. Nothing is held in memory
-    beside ``obj``: a checkpoint serialised in memory first (:func:`torch_bytes`) would double the host memory
-    of a big model's state at every checkpoint."""
+    beside ``obj`` (a checkpoint serialised in memory first would double the host memory of a big model's state
+    at every checkpoint)."""
     with open(path, "wb") as file:
         try:
             torch.save(obj, file)
@@ -45,7 +46,8 @@ def write_torch(obj, path: Path) -> None:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    atomic_write_bytes(path, torch_bytes(obj))
+    with _replacing(path) as tmp:
+        write_torch(obj, tmp)
 
 
 def disk_full(exc: BaseException) -> bool:
