@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from i3core.errors import ConfigError, I3Error, Problem, did_you_mean
 from i3core.manager import Plugins, load_plugins
@@ -33,6 +33,13 @@ from i3core.registry import KINDS, SECTION_KINDS, Component
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 """What ``torch.manual_seed`` takes (``run.seed`` seeds torch's generators): a wider seed fails there, mid-start."""
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest of ``path`` and its parents that exists, if it is not a directory (nothing could be written
+    under it)."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
 
 
 class RunSection(BaseModel):
@@ -59,10 +66,16 @@ class RunSection(BaseModel):
     @field_validator("output_dir")
     @classmethod
     def _a_directory(cls, path: Path | None) -> Path | None:
-        existing = next((p for p in (path, *path.parents) if p.exists()), None) if path is not None else None
-        if existing is not None and not existing.is_dir():
+        if path is not None and (existing := _file_in_the_way(path)) is not None:
             raise ValueError(f"{existing} is a file, not a directory")
         return path
+
+    @model_validator(mode="after")
+    def _default_a_directory(self) -> "RunSection":
+        if self.output_dir is None and (existing := _file_in_the_way(self.out)) is not None:
+            raise ValueError(f"the default output folder {self.out} (runs/<name>) cannot be made: {existing} is a "
+                             "file, not a directory; set output_dir or another name")
+        return self
 
     @property
     def out(self) -> Path:

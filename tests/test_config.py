@@ -103,6 +103,21 @@ def test_override_reaches_validation_through_the_cli(tmp_path):
     assert "loss.mask_low: Input should be greater than 0, got -1" in result.stderr
 
 
+def test_default_output_folder_that_is_a_file_is_one_line(tmp_path):
+    """No output_dir: the run goes to runs/<name> under the working directory, which is refused at check time
+    when a file stands in its way (the explicit output_dir is checked the same way: tests/bad_configs)."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "mine").write_text("a file")
+    (tmp_path / "p.toml").write_text('[run]\nname = "mine"\n')
+    for command in ("check", "run"):
+        result = run_cli(command, "p.toml", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert ("error: run: the default output folder runs/mine (runs/<name>) cannot be made: runs/mine is a file, "
+                "not a directory; set output_dir or another name") in result.stderr
+        assert "Traceback" not in result.stderr + result.stdout
+    assert (tmp_path / "runs" / "mine").read_text() == "a file"
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("[run\nx = 1\n", "TOML syntax error"), ("a = = 1", "TOML syntax error")],
