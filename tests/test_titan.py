@@ -119,6 +119,24 @@ def test_bad_flavors_and_overrides_are_refused(builtins, needs_titan, options, m
     assert message in str(info.value)
 
 
+def test_init_from_and_tokenizer_are_checked_with_the_config(tmp_path, builtins, needs_titan):
+    """Where the weights and tokenizer come from is checked by ``check`` (on a laptop), not on the GPU host."""
+    def refused(**options):
+        with pytest.raises(ConfigError) as info:
+            validate({"model": {"use": "torchtitan", **options}}, builtins)
+        return str(info.value)
+
+    assert f"model.init_from: {tmp_path / 'nope'} is not a directory" in refused(init_from=str(tmp_path / "nope"))
+    assert "has no config.json" in refused(init_from=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert "has no model.safetensors (nor its index)" in refused(init_from=str(tmp_path))
+    assert "model.tokenizer: " in refused(tokenizer=str(tmp_path))
+    assert "has no tokenizer.json" in refused(tokenizer=str(tmp_path))
+    titan.save_hf_dir(titan.build_model(tiny(), VOCAB_SIZE, "cpu"), tmp_path, None)
+    config = titan.TitanConfig(init_from=os.path.relpath(tmp_path), tokenizer=os.path.relpath(tmp_path))
+    assert config.init_from == config.tokenizer == tmp_path.resolve()  # every role reads the same directory
+
+
 def test_good_config_resolves_to_torchtitans_spec(needs_titan):
     from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter

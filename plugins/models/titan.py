@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from i3core.errors import I3Error, did_you_mean
+from i3core.plugins.models.hf import hf_directory
 from i3core.weights import write_safetensors
 
 FAMILIES = {"qwen3": "torchtitan.models.qwen3", "deepseek_v3": "torchtitan.models.deepseek_v3"}
@@ -78,6 +79,24 @@ class TitanConfig(BaseModel):
     tokenizer: Path | None = Field(
         None, description="An HF tokenizer directory (tokenizer.json); default: i3core's byte-level tokenizer.")
     init_from: Path | None = Field(None, description="An HF checkpoint directory to start from (via from_hf).")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_directory(cls, path: Path | None) -> Path | None:
+        if path is not None and not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json (not a Hugging Face tokenizer directory)")
+        return None if path is None else path.resolve()
+
+    @field_validator("init_from")
+    @classmethod
+    def _checkpoint_directory(cls, path: Path | None) -> Path | None:
+        """An HF directory with its weights, checked when the config is (the GPU that loads it may be far off)."""
+        if path is None:
+            return None
+        path = hf_directory(path)
+        if not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+            raise ValueError(f"{path} has no model.safetensors (nor its index): no weights to start from")
+        return path
 
     @model_validator(mode="after")
     def _flavor(self):
