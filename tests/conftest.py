@@ -157,6 +157,30 @@ def abs_logprob_diffs(model, completion):
     return (ref - torch.tensor(completion.logprobs)).abs()
 
 
+
+def decode_across_cache_growth(model, capacity) -> float:
+    """Largest |hidden state| gap between a full forward of 80 tokens and the cached decode of them (a 20-token
+    prompt, then one token a step in slot 2 of 3, max_len 100), its prompt's entries copied to slot 0 at the end;
+    ``capacity(cache)`` after the prompt, at 33 and 65 positions and at the end must be 32, 64, 100, 100: the cache
+    grows as positions are written, and keeps what it held."""
+    import torch
+
+    seq = torch.randint(0, model.vocab_size, (1, 80), generator=torch.Generator().manual_seed(3))
+    cache, slot, sizes = model.new_kv_cache(3, 100), torch.tensor([2]), []
+    with torch.no_grad():
+        full = model(seq)[0]
+        outs = [model.forward_cached(seq[:, :20], torch.arange(20)[None], cache, slot)[0]]
+        sizes.append(capacity(cache))
+        for t in range(20, 80):
+            outs.append(model.forward_cached(seq[:, t : t + 1], torch.tensor([[t]]), cache, slot)[0])
+            if t + 1 in (33, 65):
+                sizes.append(capacity(cache))
+        cache.copy_slots(slot, torch.tensor([0]), 20)
+        again = model.forward_cached(seq[:, 20:21], torch.tensor([[20]]), cache, torch.tensor([0]))[0]
+        sizes.append(capacity(cache))
+    assert sizes == [32, 64, 100, 100], sizes
+    return max((torch.cat(outs) - full).abs().max().item(), (again - full[20:21]).abs().max().item())
+
 @pytest.fixture(autouse=True)
 def _no_admin_token_from_an_earlier_test():
     """An in-process ``i3core run`` puts the run's admin token in this process's environment (its servers and

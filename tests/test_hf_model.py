@@ -20,7 +20,7 @@ from i3core.plugins.inference.engine import Engine, Request
 from i3core.protocols import CausalLM, Model
 from i3core.testing import ScriptedClient, make_component, plugin_manager
 
-from .conftest import LEDGER, ROOT, SERVERS, assert_ledger, run_cli, torchrun_trainer
+from .conftest import LEDGER, ROOT, SERVERS, assert_ledger, decode_across_cache_growth, run_cli, torchrun_trainer
 from .test_packing import groups_of, tree_and_flat_logprobs
 from .test_trainer_distributed import make_batches
 
@@ -146,6 +146,12 @@ def test_cached_decode_equals_forward(made, architecture):
     worst = max((out - full[b, t]).abs().max().item() for (b, t), out in outs.items())
     assert worst < 1e-5, worst
     assert len(outs) == 5 + 5 + 8 + 3 * 7
+
+
+def test_the_kv_cache_grows_with_the_positions_written(made):
+    """As tiny-moe's (tests/test_tiny_moe.py): room for what is written, doubling from 32 up to max_len."""
+    model = component(made("qwen3")).build().eval()
+    assert decode_across_cache_growth(model, lambda cache: cache.layers[0].keys.shape[2]) < 1e-5
 
 
 @pytest.mark.parametrize("architecture,window", [("qwen3", {"max_window_layers": 1}), ("qwen3_moe", {})],

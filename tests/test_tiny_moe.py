@@ -10,6 +10,8 @@ from i3core.plugins.models.tiny_moe.tokenizer import EOS, IM_END, build_tokenize
 from i3core.testing import make_component
 from i3core.weights import read_hf_tensors
 
+from .conftest import decode_across_cache_growth
+
 SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "num_experts": 4,
          "experts_per_token": 2, "moe_intermediate_size": 32}
 
@@ -147,3 +149,10 @@ def test_config_checks_shapes(builtins):
         make_component("model", "tiny-moe", plugins=builtins, num_heads=3, num_kv_heads=2)
     with pytest.raises(ConfigError, match="must not exceed num_experts"):
         make_component("model", "tiny-moe", plugins=builtins, num_experts=2, experts_per_token=3)
+
+
+def test_the_kv_cache_grows_with_the_positions_written(component):
+    """An engine sized for long sequences holds room for the ones written (32 positions, then doubling, at most
+    max_len); the cached decode across each growth matches a full forward."""
+    model = component.build().eval()
+    assert decode_across_cache_growth(model, lambda cache: cache.keys[0].shape[2]) < 1e-5

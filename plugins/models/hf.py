@@ -35,6 +35,7 @@ from torch import nn
 from i3core.errors import I3Error
 from i3core.packed import attention_mask, has_branches
 from i3core.plugins.models import lora
+from i3core.plugins.models.kv_cache import grown, widened
 from i3core.plugins.models.lora import LoraOptions
 from i3core.weights import read_hf_tensors
 
@@ -72,8 +73,9 @@ def _cache_classes():
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     class SlotLayer(CacheLayerMixin):
-        """One attention layer's keys and values, ``[slots, kv_heads, max_len, head_dim]``, allocated at the first
-        write (their heads, widths and dtype are the layer's own)."""
+        """One attention layer's keys and values, ``[slots, kv_heads, capacity, head_dim]``, allocated at the first
+        write (their heads, widths and dtype are the layer's own); the capacity grows with the longest position
+        written, doubling, up to ``max_len`` (:func:`~i3core.plugins.models.kv_cache.grown`)."""
 
         is_sliding = False
 
@@ -83,14 +85,17 @@ def _cache_classes():
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             heads = key_states.shape[1]
-            self.keys = key_states.new_zeros(self.slots, heads, self.max_len, key_states.shape[-1])
-            self.values = value_states.new_zeros(self.slots, heads, self.max_len, value_states.shape[-1])
+            self.keys = key_states.new_zeros(self.slots, heads, 0, key_states.shape[-1])
+            self.values = value_states.new_zeros(self.slots, heads, 0, value_states.shape[-1])
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
             """Write ``[B, heads, S, D]`` new keys/values at the step's positions; the slots' first ``length``."""
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            if self.step.length > self.keys.shape[2]:
+                size = grown(self.keys.shape[2], self.step.length, self.max_len)
+                self.keys, self.values = widened(self.keys, size), widened(self.values, size)
             slots, positions = self.step.slots, self.step.positions
             self.keys[slots[:, None], :, positions] = key_states.transpose(1, 2)
             self.values[slots[:, None], :, positions] = value_states.transpose(1, 2)

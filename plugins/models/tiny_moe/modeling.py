@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from i3core.packed import attention_mask
+from i3core.plugins.models.kv_cache import grown, widened
 
 
 class RMSNorm(nn.Module):
@@ -229,13 +230,24 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys and values of up to ``slots`` sequences, ``[slots, kv_heads, max_len, head_dim]`` per layer."""
+    """Keys and values of up to ``slots`` sequences of ``max_len`` tokens, ``[slots, kv_heads, capacity, head_dim]``
+    per layer: the capacity grows (doubling, up to ``max_len``) with the longest position written, so an engine
+    sized for long sequences holds memory for the ones it has seen
+    (:func:`~i3core.plugins.models.kv_cache.grown`)."""
 
     def __init__(self, cfg, slots: int, max_len: int, dtype: torch.dtype = torch.float32):
-        shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        empty = torch.zeros((slots, cfg.num_kv_heads, 0, cfg.head_dim), dtype=dtype)
+        self.keys = [empty for _ in range(cfg.num_layers)]
+        self.values = [empty for _ in range(cfg.num_layers)]
         self.slots, self.max_len = slots, max_len
+
+    def reserve(self, length: int) -> None:
+        """Room for positions ``0..length-1`` in every slot (the entries held so far kept, the new ones zero)."""
+        capacity = self.keys[0].shape[2]
+        if length > capacity:
+            size = grown(capacity, length, self.max_len)
+            self.keys = [widened(cache, size) for cache in self.keys]
+            self.values = [widened(cache, size) for cache in self.values]
 
     def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
         """Entries ``0..length-1`` of slots ``source`` ``[B]`` into slots ``target`` ``[B]`` (a shared prompt)."""
@@ -307,6 +319,7 @@ class TinyMoEModel(nn.Module):
         x = self.embed(input_ids)
         cos, sin = rotary(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         read = CacheRead(slots, positions, self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads)
+        cache.reserve(read.length)
         for block, keys, values in zip(self.blocks, cache.keys, cache.values):
             x = block.forward_cached(x, cos, sin, keys, values, slots, positions, read)
         return self.norm(x)
