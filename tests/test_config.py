@@ -103,6 +103,21 @@ def test_override_reaches_validation_through_the_cli(tmp_path):
     assert "loss.mask_low: Input should be greater than 0, got -1" in result.stderr
 
 
+@pytest.mark.parametrize(("sets", "message"), [
+    ({"trainer": {"colocate": True, "nproc": 2}}, "runs one trainer rank in the run's process; nproc is 2"),
+    ({"trainer": {"colocate": True}, "inference": {"use": "builtin"}},
+     'shares the run\'s process with the engine of inference "local"; this run\'s is "builtin" (its servers are '
+     'processes of their own)'),
+    ({"trainer": {"colocate": True, "threads": 2}},
+     "torch's thread count is the process's: trainer.threads (2) and inference.threads (1) must be equal"),
+])
+def test_a_colocated_trainer_needs_one_rank_beside_the_local_engine(builtins, sets, message):
+    data = {"model": {"use": "tiny-moe"}, "inference": {"use": "local"}, "env": {"use": "reverse-text"}}
+    for section, values in sets.items():
+        data[section] = {**data.get(section, {}), **values}
+    assert problems(data, builtins) == [("trainer.colocate", message)]
+
+
 def test_default_output_folder_that_is_a_file_is_one_line(tmp_path):
     """No output_dir: the run goes to runs/<name> under the working directory, which is refused at check time
     when a file stands in its way (the explicit output_dir is checked the same way: tests/bad_configs)."""

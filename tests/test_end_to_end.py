@@ -66,6 +66,41 @@ def test_streamed_groups_train_early_on_policy_and_the_run_adds_up(tmp_path):
     assert "Traceback" not in stderr
 
 
+
+def test_a_colocated_trainer_runs_in_the_runs_process_and_an_interrupted_run_resumes(tmp_path):
+    """``[trainer] colocate``: the trainer is a thread of the run's process (no trainer process), its lines in
+    logs/trainer.log as a process's are; SIGTERM interrupts the run (exit 130) after the trainer checkpoints its
+    last step, and ``--resume`` goes on to the end with every step's metrics row."""
+    from i3core.loop.run import TRAINER_MODULE, _cmdline, _live_children
+
+    out = tmp_path / "run"
+    sets = ("run.max_steps=400", "sft.steps=2", "trainer.colocate=true")
+    proc = start_run(out, *sets)
+    with killed_on_failure(proc):
+        wait_for_step(proc, out, 3)
+        assert not [pid for pid in _live_children(proc.pid) if TRAINER_MODULE in _cmdline(pid)]
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").glob("step_*"))
+    assert saved and 3 <= saved[-1] < 400, saved
+    assert '"sft_s"' in (out / "logs" / "trainer.log").read_text()
+    proc = start_run(out, *sets, resume=True)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 401))
+
+
+def test_a_colocated_trainer_that_fails_fails_the_run_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = start_run(out, "run.max_steps=4", "sft.steps=3", "sft.lr=1e30", "trainer.colocate=true")
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]  # the trainer's error line, from its log
+    assert last.startswith("error: sft step ") and "the gradient is not finite" in last, last
+    assert "Traceback" not in stderr
+
 def check_rollout_files(out, rows):
     """rollouts/step_N.jsonl of every step: each trained rollout of the step's batch, as its env scored it, with
     the keys DESIGN.md names; `i3core rollouts` prints a step and says in one line what it cannot."""

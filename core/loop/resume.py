@@ -80,7 +80,7 @@ ATTEMPT_TIMEOUT_S = 3600.0
 POLL_S = 0.5
 RESUME_FIXED = ("model", "trainer", "optimizer", "loss", "env", "scheduler", "weight_sync")
 """Sections a resumed run must keep as the run started with them (their state or the data order depend on them)."""
-RESUME_FREE = {"trainer": {"checkpoint_every", "keep_checkpoints", "threads", "micro_batch_threads"}}
+RESUME_FREE = {"trainer": {"checkpoint_every", "keep_checkpoints", "threads", "micro_batch_threads", "colocate"}}
 """Keys of those sections that may change on resume."""
 
 

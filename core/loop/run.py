@@ -1,8 +1,8 @@
 """``i3core run``: build every configured component, start the three roles, drive the lifecycle, close.
 
-On one machine (the embedded default): the trainer is a subprocess (one rank alone, several under torchrun),
-the rollout source starts the inference servers, and the orchestrator runs
-here. Without ``[model]``, ``[inference]`` and ``[env]`` there is nothing to
+On one machine (the embedded default): the trainer is a subprocess (one rank alone, several under torchrun;
+a thread of this process with ``[trainer] colocate``: :class:`TrainerThread`), the rollout source starts the
+inference servers, and the orchestrator runs here. Without ``[model]``, ``[inference]`` and ``[env]`` there is nothing to
 train: the run builds what is configured, fires the lifecycle hooks and says
 what is missing.
 """
@@ -12,9 +12,12 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -189,11 +192,15 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     mark_run()  # the trainer and the servers stop by themselves if this process is killed
     trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
     version = 0 if start is None else start.step
-    trainer = subprocess.Popen(
-        [*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, str(run.output_dir / "config.resolved.json"),
-         *([] if start is None else ["--resume", str(start.step)])],
-        stdout=trainer_log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    trainer_args = [str(run.output_dir / "config.resolved.json"),
+                    *([] if start is None else ["--resume", str(start.step)])]
+    if config.trainer.colocate:
+        trainer = TrainerThread(trainer_args, trainer_log)
+    else:
+        trainer = subprocess.Popen([*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, *trainer_args],
+                                   stdout=trainer_log, stderr=subprocess.STDOUT)
+    colocated = config.trainer.colocate and threading.current_thread() is threading.main_thread()
+    sigterm = signal.signal(signal.SIGTERM, _interrupt) if colocated else None
     source = run.components["inference"]
     rendezvous = None
     try:
@@ -220,11 +227,59 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         except subprocess.TimeoutExpired:
             trainer.kill()
             trainer.wait()
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
         source.close()
         if rendezvous is not None:
             rendezvous.close()
         trainer_log.close()
         _plot(run.output_dir)
+
+
+class TrainerThread:
+    """The trainer's one rank in a thread of the run's process (``[trainer] colocate``), with what :func:`train`
+    asks of the trainer's process: ``poll``, ``returncode``, ``wait``, ``kill``. It runs
+    :func:`i3core.loop.trainer.main` on the same arguments, its lines and error line in ``log`` (a binary file:
+    logs/trainer.log, as the process's), and stops as the process does: at STOP (the run's end, an interrupt) after
+    checkpointing its last step. A thread cannot be killed: :meth:`kill` stops waiting for it; it is a daemon and
+    ends with the process."""
+
+    def __init__(self, args: list[str], log) -> None:
+        self.returncode: int | None = None
+        self.killed = False
+        self._log = open(log.fileno(), "w", buffering=1, closefd=False, errors="replace")
+        self._thread = threading.Thread(target=self._main, args=(args,), name="i3core-trainer", daemon=True)
+        self._thread.start()
+
+    def _main(self, args: list[str]) -> None:
+        from i3core.loop.trainer import main
+
+        try:
+            code = main(args, output=self._log)
+        except BaseException:  # the process's trainer would print it and exit 1: so does this one, into its log
+            traceback.print_exc(file=self._log)
+            code = 1
+        self._log.flush()
+        self.returncode = code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self.killed:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise subprocess.TimeoutExpired(TRAINER_MODULE, timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM to a run whose trainer is a thread: the run is interrupted (Ctrl-C) and the trainer checkpoints its
+    last step at the STOP that follows, as a trainer process does when its run is gone."""
+    raise KeyboardInterrupt
 
 
 def trainer_launcher(nproc: int) -> list[str]:
@@ -319,10 +374,17 @@ def _live_children(pid: int) -> set[int]:
     return alive
 
 
-async def watch_trainer(trainer: subprocess.Popen, out: Path, grace_s: float = LAUNCHER_GRACE_S) -> None:
+async def watch_trainer(trainer: "subprocess.Popen | TrainerThread", out: Path,
+                        grace_s: float = LAUNCHER_GRACE_S) -> None:
     """Until the trainer (torchrun) exits; its failure raised as one line. A launcher that outlives every rank
     it started by ``grace_s`` (a torchrun seen to hang on its way out after a rank was SIGKILLed) is killed, so
-    the run fails instead of waiting for it for ever."""
+    the run fails instead of waiting for it for ever. A trainer thread has no launcher."""
+    if isinstance(trainer, TrainerThread):
+        while trainer.poll() is None:
+            await asyncio.sleep(TRAINER_POLL_S)
+        if trainer.returncode != 0:
+            raise trainer_failure(trainer.returncode, out)
+        return
     seen: set[int] = set()
     ranks: set[int] = set()
     """Children seen so far, and those of them that run the trainer module (torchrun may keep helper children)."""

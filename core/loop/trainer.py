@@ -39,6 +39,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -240,10 +241,12 @@ class Trainer:
     ``world``-th row of a batch, and the loss is scaled by ``world`` because FSDP2 averages gradients over ranks
     while the loss is already normalised by the global token count."""
 
-    def __init__(self, config: RunConfig, resume_step: int | None = None, rewind: bool = False):
+    def __init__(self, config: RunConfig, resume_step: int | None = None, rewind: bool = False, output=None):
         """:param resume_step: the checkpoint to continue from; :param rewind: undo what the run did after it (after
-        step 0 with no checkpoint) before the first version goes out (:func:`i3core.loop.resume.rewind`)."""
+        step 0 with no checkpoint) before the first version goes out (:func:`i3core.loop.resume.rewind`);
+        :param output: where the trainer's lines go (default stdout; a colocated trainer's: its log file)."""
         self.config = config
+        self.output = output
         self.rewind = rewind
         self.stopping: str | None = None
         """Why the trainer stops after the step it is in: "SIGTERM", or "restart" (a restarted orchestrator)."""
@@ -264,7 +267,7 @@ class Trainer:
         if config.trainer.disable_dropout:
             off = disable_dropout(self.model)
             if off:
-                print(json.dumps({"dropout_off": len(off), "first": off[:4]}), flush=True)
+                print(json.dumps({"dropout_off": len(off), "first": off[:4]}), file=self.output, flush=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._plain = None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -377,7 +380,7 @@ class Trainer:
             optimizer.step()
             if self.rank == 0 and (step % 50 == 0 or step == cfg.steps):
                 print(json.dumps({"sft_step": step, "sft_loss": round(loss.item(), 4),
-                                  "sft_s": round(time.perf_counter() - started, 3)}), flush=True)
+                                  "sft_s": round(time.perf_counter() - started, 3)}), file=self.output, flush=True)
 
     # -- RL ------------------------------------------------------------------
 
@@ -424,7 +427,7 @@ class Trainer:
         total = int((batch.loss_mask & torch.isfinite(batch.inference_logprobs)).sum())
         if streamed is not None and streamed.rows and streamed.rows != batch.streamed_rows:
             print(f"step of version {version}: {streamed.rows} rows came early but the batch says "
-                  f"{batch.streamed_rows}; training the whole batch again", file=sys.stderr, flush=True)
+                  f"{batch.streamed_rows}; training the whole batch again", file=self.output or sys.stderr, flush=True)
             streamed = None
         if streamed is None or not streamed.rows:
             optimizer.zero_grad(set_to_none=True)
@@ -701,9 +704,10 @@ def lr_schedule(optimizer, tcfg, max_steps: int) -> torch.optim.lr_scheduler.Lam
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def main(argv=None, config: RunConfig | None = None) -> int:
+def main(argv=None, config: RunConfig | None = None, output=None) -> int:
     """The trainer role on one rank. :param config: the run's config when the caller has read it from ``argv``'s
-    config and overrides already (``i3core trainer``): it is not read again."""
+    config and overrides already (``i3core trainer``): it is not read again. :param output: a text stream for the
+    trainer's lines and its error line (a colocated trainer's log file; default stdout and stderr)."""
     parser = argparse.ArgumentParser(prog="i3core trainer", description="The trainer role (run it under torchrun).")
     parser.add_argument("config", type=Path, help="plugins.toml or a run's config.resolved.json")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
@@ -726,8 +730,9 @@ def main(argv=None, config: RunConfig | None = None) -> int:
                 else _step_arg(args.resume)
             if step is not None:
                 resume.check_unchanged(config)
-        trainer = Trainer(config, resume_step=step, rewind=args.resume is not None)
-        signal.signal(signal.SIGTERM, trainer.on_sigterm)
+        trainer = Trainer(config, resume_step=step, rewind=args.resume is not None, output=output)
+        if threading.current_thread() is threading.main_thread():  # colocated: the run's process handles signals
+            signal.signal(signal.SIGTERM, trainer.on_sigterm)
         trainer.run()
         if dist.is_initialized():  # every rank done (rank 0 renames the last checkpoint) before any tears down
             dist.barrier()
@@ -738,12 +743,12 @@ def main(argv=None, config: RunConfig | None = None) -> int:
                           SIGTERM_EXIT if trainer.stopping == "SIGTERM" else resume.RESTART_EXIT)
         return 0
     except I3Error as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=output or sys.stderr, flush=True)
         return getattr(exc, "exit_code", 1)
     except Exception as exc:
         if config is None or not disk_full(exc):
             raise
-        print(f"error: {full_disk_message(config.run.out, exc)}", file=sys.stderr)
+        print(f"error: {full_disk_message(config.run.out, exc)}", file=output or sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():
