@@ -95,8 +95,10 @@ SCENARIOS = {
         "trial_steps": 20,
         "margin": 0.08,
         # on-policy; the trainer's micro-batches on both cores while the engine waits for its weights; the engine
-        # sized to one batch (docs/benchmarks.md: lag 1 learns less per step, lag 0 measured with each)
-        "sets": ["scheduler.max_sample_lag=0", "trainer.micro_batch_threads=2", "inference.max_slots=64"],
+        # sized to one batch (docs/benchmarks.md: lag 1 learns less per step, lag 0 measured with each); the trainer
+        # a thread of the run's process: one torch runtime, at the process's speed (docs/benchmarks.md, 2026-12-06)
+        "sets": ["scheduler.max_sample_lag=0", "trainer.micro_batch_threads=2", "inference.max_slots=64",
+                 "trainer.colocate=true"],
     },
     "long_tail": {
         "steps": 60,
