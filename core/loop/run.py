@@ -2,9 +2,8 @@
 
 On one machine (the embedded default): the trainer is a subprocess (one rank alone, several under torchrun;
 a thread of this process with ``[trainer] colocate``: :class:`TrainerThread`), the rollout source starts the
-inference servers, and the orchestrator runs here. Without ``[model]``, ``[inference]`` and ``[env]`` there is nothing to
-train: the run builds what is configured, fires the lifecycle hooks and says
-what is missing.
+inference servers, and the orchestrator runs here. Without ``[model]``, ``[inference]`` and ``[env]`` there is
+nothing to train: the run builds what is configured, fires the lifecycle hooks and says what is missing.
 """
 
 import asyncio
