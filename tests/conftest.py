@@ -157,7 +157,6 @@ def abs_logprob_diffs(model, completion):
     return (ref - torch.tensor(completion.logprobs)).abs()
 
 
-
 def decode_across_cache_growth(model, capacity) -> float:
     """Largest |hidden state| gap between a full forward of 80 tokens and the cached decode of them (a 20-token
     prompt, then one token a step in slot 2 of 3, max_len 100), its prompt's entries copied to slot 0 at the end;
@@ -180,6 +179,7 @@ def decode_across_cache_growth(model, capacity) -> float:
         sizes.append(capacity(cache))
     assert sizes == [32, 64, 100, 100], sizes
     return max((torch.cat(outs) - full).abs().max().item(), (again - full[20:21]).abs().max().item())
+
 
 @pytest.fixture(autouse=True)
 def _no_admin_token_from_an_earlier_test():

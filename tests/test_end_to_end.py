@@ -66,7 +66,6 @@ def test_streamed_groups_train_early_on_policy_and_the_run_adds_up(tmp_path):
     assert "Traceback" not in stderr
 
 
-
 def test_a_colocated_trainer_runs_in_the_runs_process_and_an_interrupted_run_resumes(tmp_path):
     """``[trainer] colocate``: the trainer is a thread of the run's process (no trainer process), its lines in
     logs/trainer.log as a process's are; SIGTERM interrupts the run (exit 130) after the trainer checkpoints its

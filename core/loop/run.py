@@ -378,18 +378,15 @@ async def watch_trainer(trainer: "subprocess.Popen | TrainerThread", out: Path,
     """Until the trainer (torchrun) exits; its failure raised as one line. A launcher that outlives every rank
     it started by ``grace_s`` (a torchrun seen to hang on its way out after a rank was SIGKILLed) is killed, so
     the run fails instead of waiting for it for ever. A trainer thread has no launcher."""
-    if isinstance(trainer, TrainerThread):
-        while trainer.poll() is None:
-            await asyncio.sleep(TRAINER_POLL_S)
-        if trainer.returncode != 0:
-            raise trainer_failure(trainer.returncode, out)
-        return
+    launched = not isinstance(trainer, TrainerThread)
     seen: set[int] = set()
     ranks: set[int] = set()
     """Children seen so far, and those of them that run the trainer module (torchrun may keep helper children)."""
     ranks_gone_at = None
     while trainer.poll() is None:
         await asyncio.sleep(TRAINER_POLL_S)
+        if not launched:
+            continue
         live = _live_children(trainer.pid)
         ranks |= {pid for pid in live if TRAINER_MODULE in _cmdline(pid)}
         # gone: every child seen before this poll (a launcher whose ranks are plain processes), or every child

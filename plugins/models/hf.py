@@ -35,7 +35,7 @@ from torch import nn
 from i3core.errors import I3Error
 from i3core.packed import attention_mask, has_branches
 from i3core.plugins.models import lora
-from i3core.plugins.models.kv_cache import grown, widened
+from i3core.plugins.models.kv_cache import reserved
 from i3core.plugins.models.lora import LoraOptions
 from i3core.weights import read_hf_tensors
 
@@ -93,9 +93,8 @@ def _cache_classes():
             """Write ``[B, heads, S, D]`` new keys/values at the step's positions; the slots' first ``length``."""
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            if self.step.length > self.keys.shape[2]:
-                size = grown(self.keys.shape[2], self.step.length, self.max_len)
-                self.keys, self.values = widened(self.keys, size), widened(self.values, size)
+            self.keys = reserved(self.keys, self.step.length, self.max_len)
+            self.values = reserved(self.values, self.step.length, self.max_len)
             slots, positions = self.step.slots, self.step.positions
             self.keys[slots[:, None], :, positions] = key_states.transpose(1, 2)
             self.values[slots[:, None], :, positions] = value_states.transpose(1, 2)

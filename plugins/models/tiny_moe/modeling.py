@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from i3core.packed import attention_mask
-from i3core.plugins.models.kv_cache import grown, widened
+from i3core.plugins.models.kv_cache import reserved
 
 
 class RMSNorm(nn.Module):
@@ -243,11 +243,8 @@ class KVCache:
 
     def reserve(self, length: int) -> None:
         """Room for positions ``0..length-1`` in every slot (the entries held so far kept, the new ones zero)."""
-        capacity = self.keys[0].shape[2]
-        if length > capacity:
-            size = grown(capacity, length, self.max_len)
-            self.keys = [widened(cache, size) for cache in self.keys]
-            self.values = [widened(cache, size) for cache in self.values]
+        self.keys = [reserved(cache, length, self.max_len) for cache in self.keys]
+        self.values = [reserved(cache, length, self.max_len) for cache in self.values]
 
     def copy_slots(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
         """Entries ``0..length-1`` of slots ``source`` ``[B]`` into slots ``target`` ``[B]`` (a shared prompt)."""
