@@ -118,6 +118,25 @@ def test_a_colocated_trainer_needs_one_rank_beside_the_local_engine(builtins, se
     assert problems(data, builtins) == [("trainer.colocate", message)]
 
 
+@pytest.mark.parametrize(("sets", "expected"), [
+    ({}, [("weight_sync.use", "memory needs the trainer in the run's process: [trainer] colocate = true")]),
+    ({"inference": {"use": "builtin"}, "trainer": {"colocate": True}},
+     [("trainer.colocate", 'shares the run\'s process with the engine of inference "local"; this run\'s is "builtin" '
+                           "(its servers are processes of their own)"),
+      ("weight_sync.use", 'memory needs the engine in the run\'s process: inference "local", not \'builtin\'')]),
+    ({"trainer": {"colocate": True}, "scheduler": {"use": "async", "weight_update_lag": 1}},
+     [("scheduler.weight_update_lag", "1 needs weights the orchestrator hands out (weight_sync filesystem): memory "
+                                      "delivers each version at once")]),
+])
+def test_weights_in_memory_need_the_trainer_beside_the_local_engine(builtins, sets, expected):
+    data = {"model": {"use": "tiny-moe"}, "inference": {"use": "local"}, "env": {"use": "reverse-text"},
+            "weight_sync": {"use": "memory"}}
+    validate({**data, "trainer": {"colocate": True}}, builtins)  # the setting it is for
+    for section, values in sets.items():
+        data[section] = {**data.get(section, {}), **values}
+    assert problems(data, builtins) == expected
+
+
 def test_default_output_folder_that_is_a_file_is_one_line(tmp_path):
     """No output_dir: the run goes to runs/<name> under the working directory, which is refused at check time
     when a file stands in its way (the explicit output_dir is checked the same way: tests/bad_configs)."""

@@ -91,6 +91,36 @@ def test_a_colocated_trainer_runs_in_the_runs_process_and_an_interrupted_run_res
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 401))
 
 
+def test_weights_in_memory_reach_the_engine_and_a_resumed_run_starts_from_its_checkpoints_version(tmp_path):
+    """``[weight_sync] use = "memory"`` beside a colocated trainer: no version after 0 goes to disk, every step's
+    version is the engine's when its metrics are written, and the engine samples with exactly the trainer's
+    weights (same-version logprobs agree); an interrupted run resumes from the version of its checkpoint, written
+    to disk as the engine's start."""
+    out = tmp_path / "run"
+    sets = ("sft.steps=2", "trainer.colocate=true", "weight_sync.use=memory", "scheduler.max_sample_lag=0")
+    proc = start_run(out, "run.max_steps=400", *sets)
+    with killed_on_failure(proc):
+        wait_for_step(proc, out, 3)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert sorted(p.name for p in (out / "broadcasts").iterdir()) == ["step_0"]
+    resumed = max(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").glob("step_*"))
+    proc = start_run(out, f"run.max_steps={resumed + 4}", *sets, resume=True)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, resumed + 5))
+    served = [(r["step"], r["weights/served_version"]) for r in rows if "weights/served_version" in r]
+    assert len(served) >= len(rows) - 1 and all(step == version for step, version in served)  # the row of the
+    # step the interruption cut short is the trainer's alone (resume fills it in)
+    on_disk = {p.name for p in (out / "broadcasts").iterdir()}
+    assert f"step_{resumed}" in on_disk and on_disk <= {"step_0", f"step_{resumed}"}
+    # on-policy: every token sampled by the version its step trains, which the trainer scores the same
+    assert all(r["mismatch/same_version_tokens"] > 0 and r["mismatch/same_version_abs_diff"] < 1e-4 for r in rows)
+    assert "Traceback" not in stderr
+
+
 def test_a_colocated_trainer_that_fails_fails_the_run_in_one_line(tmp_path):
     out = tmp_path / "run"
     proc = start_run(out, "run.max_steps=4", "sft.steps=3", "sft.lr=1e30", "trainer.colocate=true")

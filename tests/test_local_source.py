@@ -59,6 +59,51 @@ def test_completions_logprobs_and_an_in_flight_update(weights):
     assert first.versions == [0] * len(first.token_ids)
 
 
+def test_versions_handed_over_in_memory_are_swapped_in(weights):
+    """``weight_sync memory``: the trainer's HF tensors put in the run's mailbox reach the local engine through its
+    receiver (no directory), checked before the live weights are touched; the engine then samples with them."""
+    from i3core.errors import I3Error
+    from i3core.plugins.weight_sync.memory import Mailbox, mailbox
+
+    root, model = weights
+    component = make_component("model", "tiny-moe", **SMALL)
+    sync = make_component("weight_sync", "memory")
+    broadcasts = root / "broadcasts"
+    source = make_component("rollout_source", "local", max_slots=4, max_len=256)
+    (url,) = source.start(root / "v0", root / "logs", receiver=sync.receiver(broadcasts),
+                          model={"use": "tiny-moe", **SMALL})
+    client = source.client(url, build_tokenizer(), stop_token_ids=[])
+    policy = component.build(seed=2)
+    assert not sync.is_ready(broadcasts, 1)
+    mailbox(broadcasts).put(1, {name: t.detach().clone() for name, t in component.hf_tensors(policy)})
+    assert sync.is_ready(broadcasts, 1) and sync.location(broadcasts, 1) is None
+
+    async def scenario():
+        try:
+            updated = await client.update_weights(None, version=1)
+            again = await client.update_weights(None, version=1)  # live already: nothing to take
+            completion = await client.complete("abc", max_tokens=6, temperature=1.0, seed=3)
+            broken = {name: t.detach().clone() for name, t in component.hf_tensors(policy)}
+            broken.pop(next(iter(broken)))
+            mailbox(broadcasts).put(2, broken)
+            with pytest.raises(ServerError, match="weight version 2"):
+                await client.update_weights(None, version=2)
+            return updated, again, completion, await client.health()
+        finally:
+            await client.close()
+
+    updated, again, completion, health = asyncio.run(scenario())
+    source.close()
+    assert updated == again == {"status": "ok", "version": 1} and health["version"] == 1  # version 2 refused
+    assert completion.versions == [1] * len(completion.token_ids)
+    ids = torch.tensor([completion.prompt_ids + completion.token_ids])
+    with torch.no_grad():
+        lp = token_logprobs(policy.eval(), ids, torch.arange(ids.shape[1])[None], chunk=64)
+    assert torch.allclose(lp[0, len(completion.prompt_ids):], torch.tensor(completion.logprobs), atol=1e-4)
+    with pytest.raises(I3Error, match="no weight version arrived in memory in 0s"):
+        Mailbox().take(timeout_s=0.01)
+
+
 def test_broadcast_with_local_is_refused_in_one_line(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text('[model]\nuse = "tiny-moe"\n[inference]\nuse = "local"\n[env]\nuse = "reverse-text"\n'

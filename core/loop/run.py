@@ -205,7 +205,7 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     try:
         sync = run.components["weight_sync"]  # contradictions with the scheduler and the source: its check_config()
         receiver = sync.receiver(paths.broadcasts) if hasattr(sync, "receiver") else None
-        if receiver is not None:
+        if receiver is not None and hasattr(sync, "host"):  # a transport with a meeting point (a broadcast's)
             rendezvous = sync.host(paths.broadcasts, source.config.servers)
         _wait_for_first_version(trainer, sync, paths, run.output_dir, version)
         model = run.components["model"]

@@ -12,7 +12,8 @@ while the event loop drives the envs.
 What differs from ``builtin``: one engine, in this process, no ``servers``
 count (so no ``broadcast`` weight sync: it needs server processes; each
 version is read from the ``filesystem`` sync's directory, which stays in the
-page cache on one machine), nothing to restart (an engine failure fails the
+page cache on one machine, or, with the trainer colocated, taken from the
+``memory`` sync's mailbox: a weight sync with a ``receiver``), nothing to restart (an engine failure fails the
 run, as the orchestrator's own would), and nothing another machine can reach
 (a cluster keeps ``builtin`` or ``vllm``). A sequence that fails alone in the engine (non-finite logits)
 fails its rollout (:class:`~i3core.errors.SequenceFailed`, counted by the ledger); an engine that breaks fails
@@ -31,6 +32,7 @@ from i3core.plugins.inference.builtin import max_tokens_problems
 from i3core.plugins.inference.engine import Request
 from i3core.plugins.inference.protocol import BadRequest
 from i3core.types import Completion
+from i3core.weights import connect_receiver
 
 LOCAL_URL = "local://engine"
 """The one "URL" this source hands the orchestrator (its logs name the server by it)."""
@@ -49,6 +51,8 @@ class LocalSource:
     def __init__(self, config: Config):
         self.config = config
         self.server = None
+        self.receiver = None
+        """Where later versions come from when they come other than as a directory (the ``memory`` sync)."""
 
     @staticmethod
     def check_config(config: Config, run) -> list[Problem]:
@@ -58,11 +62,12 @@ class LocalSource:
     def start(self, model_dir: Path, log_dir: Path, version: int = 0, receiver: dict | None = None,
               model: dict | None = None) -> list[str]:
         """Build the engine on ``model_dir``'s weights, served as the model component ``model`` (the run's
-        ``[model]``); one URL, :data:`LOCAL_URL`."""
+        ``[model]``); one URL, :data:`LOCAL_URL`. ``receiver``: a weight sync's spec for versions that do not come
+        as a directory, received in this process (the ``memory`` sync's; a broadcast's check_config refuses
+        ``local`` first)."""
         from i3core.plugins.inference.server import builtin_server, model_component
 
-        if receiver is not None:  # check_config of the broadcast sync refuses it first; kept for direct callers
-            raise I3Error('inference "local" loads each version from a directory: use [weight_sync] use = "filesystem"')
+        self.receiver = None if receiver is None else connect_receiver(receiver, 1)
         torch.set_num_threads(self.config.threads)
         spec = model or {"use": "tiny-moe"}
         component = model_component(spec["use"], {k: v for k, v in spec.items() if k != "use"})
@@ -77,10 +82,10 @@ class LocalSource:
         ``stop_token_ids`` and the ``stop`` strings."""
         if self.server is None:
             raise I3Error('inference "local" has no engine before start()')
-        return LocalClient(self.server, tokenizer, stop_token_ids, stop)
+        return LocalClient(self.server, tokenizer, stop_token_ids, stop, receiver=self.receiver)
 
     def close(self) -> None:
-        self.server = None
+        self.server = self.receiver = None
 
 
 class LocalClient:
@@ -90,8 +95,10 @@ class LocalClient:
     The engine task starts on the first call, in the running loop, and stops at :meth:`close`.
     """
 
-    def __init__(self, server, tokenizer, stop_token_ids: list[int] | None = None, stop: list[str] = ()):
+    def __init__(self, server, tokenizer, stop_token_ids: list[int] | None = None, stop: list[str] = (),
+                 receiver=None):
         self.server = server
+        self.receiver = receiver
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.stop = list(stop)
@@ -138,15 +145,29 @@ class LocalClient:
         return {"status": "ok", "version": self.server.engine.version}
 
     async def update_weights(self, path: str | None, version: int) -> dict:
-        """Load ``version`` from the directory ``path`` (read off the event loop), swapped in between two steps."""
-        if path is None:
-            raise ServerError(f"{LOCAL_URL}: the local engine loads weights from a path only")
+        """Load ``version`` from the directory ``path`` (read off the event loop), or without a path take it from
+        the receiver (the newest version there: ``version`` or later); swapped in between two steps."""
         self._engine()
+        if path is None:
+            return await self._receive(version)
         try:
             await self.server.load_weights(Path(path), version)
         except ValueError as exc:
             raise ServerError(f"{LOCAL_URL}: {exc}") from None
         return {"status": "ok", "version": version}
+
+    async def _receive(self, version: int) -> dict:
+        if self.receiver is None:
+            raise ServerError(f"{LOCAL_URL}: the local engine loads weights from a path only")
+        if self.server.engine.version >= version:  # a newer one was taken already
+            return {"status": "ok", "version": self.server.engine.version}
+        got, tensors = await asyncio.to_thread(self.receiver.receive)
+        try:
+            state = self.server.engine.stage_tensors(tensors)
+        except ValueError as exc:
+            raise ServerError(f"{LOCAL_URL}: weight version {got}: {exc}") from None
+        await self.server.offer(state, got)
+        return {"status": "ok", "version": got}
 
     async def pause(self) -> dict:
         self.server.set_paused(True)
