@@ -38,7 +38,9 @@ the 256 cap, a few long rollouts in every batch (the regime asynchrony exists fo
 settings that measured best for it: both on-policy (``max_sample_lag = 0``: every batch sampled by the weights it
 trains, learning as much per step as TRL). ``short`` with the trainer's micro-batches on both cores
 (``[trainer] micro_batch_threads = 2``: the engine stands idle while the trainer steps) and 64 engine slots (the
-64 rollouts of one batch, all an on-policy run has in flight; the quickstart's 128 serve lag 1); ``long_tail`` with
+64 rollouts of one batch, all an on-policy run has in flight; the quickstart's 128 serve lag 1), the trainer a
+thread of the run's process (``[trainer] colocate``) handing the engine each version in memory (``[weight_sync]
+use = "memory"``); ``long_tail`` with
 ``[trainer] stream_groups``, the batch's finished groups trained while its long rollouts still generate.
 
 Clocks, the same on both sides: warm, from the first rollout request (i3core: the orchestrator's
@@ -96,9 +98,10 @@ SCENARIOS = {
         "margin": 0.08,
         # on-policy; the trainer's micro-batches on both cores while the engine waits for its weights; the engine
         # sized to one batch (docs/benchmarks.md: lag 1 learns less per step, lag 0 measured with each); the trainer
-        # a thread of the run's process: one torch runtime, at the process's speed (docs/benchmarks.md, 2026-12-06)
+        # a thread of the run's process: one torch runtime, at the process's speed (docs/benchmarks.md, 2026-12-06),
+        # handing the engine each version in memory (no files: 2026-12-07)
         "sets": ["scheduler.max_sample_lag=0", "trainer.micro_batch_threads=2", "inference.max_slots=64",
-                 "trainer.colocate=true"],
+                 "trainer.colocate=true", "weight_sync.use=memory"],
     },
     "long_tail": {
         "steps": 60,
