@@ -96,6 +96,7 @@ class MemorySync:
     def __init__(self, config: Config):
         self.config = config
         self._disk = FilesystemSync(FilesystemSync.Config(keep=config.keep))
+        self._boxes: dict[Path, Mailbox] = {}
 
     @staticmethod
     def check_config(config: Config, run) -> list[Problem]:
@@ -119,7 +120,10 @@ class MemorySync:
         return self._disk.location(root, version) if self._disk.is_ready(root, version) else None
 
     def is_ready(self, root: Path, version: int) -> bool:
-        return self._disk.is_ready(root, version) or mailbox(root).version >= version
+        box = self._boxes.get(root)  # looked up once: the orchestrator asks every half millisecond
+        if box is None:
+            box = self._boxes[root] = mailbox(root)
+        return box.version >= version or self._disk.is_ready(root, version)
 
     def receiver(self, root: Path) -> dict:
         """What the engine needs to take versions from the run's mailbox."""
