@@ -175,6 +175,9 @@ class Orchestrator:
     """The ``[model]`` component: batches are packed as prefix trees if it trains them (``prefix_trees``)."""
     before_cut: Any = None
     """Called before each batch is written; raises to stop the run (a role following its trainer's attempt)."""
+    doorbell: Any = None
+    """A colocated trainer's :class:`~i3core.loop.doorbell.Doorbell`: rung at each batch, waited on for its
+    versions and metrics instead of looking every half millisecond."""
 
     def __post_init__(self):
         self.share_prompts = bool(getattr(self.model, "prefix_trees", False) and self.config.trainer.share_prompts)
@@ -490,6 +493,8 @@ class Orchestrator:
         state = self._state(step, [self._ready_at.pop(id(g))[0] for g in groups], self._batch_metrics[step])
         state.save(self.paths.orchestrator_state(step))
         atomic_torch_save(batch, self.paths.batch(step))
+        if self.doorbell is not None:
+            self.doorbell.ring_trainer()
         for rollout in rollouts:  # after the batch: the trainer is on it meanwhile
             self._log(rollout, rollout_log.TRAINED)
         self._samples[step] = self.rollout_log.write(step)
@@ -508,6 +513,8 @@ class Orchestrator:
         if self.before_cut is not None:
             self.before_cut()
         atomic_torch_save(part, self.paths.batch_part(step, len(self._parts)))
+        if self.doorbell is not None:
+            self.doorbell.ring_trainer()
         self._streamed += self._ready
         self._ready.clear()
         self._parts.append(part)
@@ -530,14 +537,12 @@ class Orchestrator:
             while self.step <= step:  # no step ends before its batch is cut: no polling while it generates
                 self._cut.clear()
                 await self._cut.wait()
-            while not self.weight_sync.is_ready(self.paths.broadcasts, step):
-                await asyncio.sleep(TRAINER_POLL_S if self._running else TRAINER_POLL_IDLE_S)
+            await self._until_trainer(lambda: self.weight_sync.is_ready(self.paths.broadcasts, step))
             served = step - self.scheduler.weight_update_lag
             if served > self.served_version:  # at once: the trainer writes its metrics meanwhile
                 await self._update_servers(served)
             metrics_path = self.paths.trainer_metrics(step)  # built once a step, polled
-            while not metrics_path.exists():
-                await asyncio.sleep(TRAINER_POLL_S if self._running else TRAINER_POLL_IDLE_S)
+            await self._until_trainer(metrics_path.exists)
             trainer_metrics = json.loads(metrics_path.read_text())
             if self.config.trainer.streams_groups:
                 self._remove_parts(step)
@@ -558,6 +563,20 @@ class Orchestrator:
             if self.progress is not None:
                 self.progress(step, metrics)
             step += 1
+
+    async def _until_trainer(self, done) -> None:
+        """Until ``done()`` (what the trainer writes): looked at every :data:`TRAINER_POLL_S` (while no rollout
+        runs :data:`TRAINER_POLL_IDLE_S`), or, beside a colocated trainer, whenever it rings."""
+        bell = self.doorbell
+        while True:
+            if bell is not None:
+                bell.orchestrator_clear()  # before the look: a ring from here on ends the wait below
+            if done():
+                return
+            if bell is not None:
+                await bell.orchestrator_wait()
+            else:
+                await asyncio.sleep(TRAINER_POLL_S if self._running else TRAINER_POLL_IDLE_S)
 
     def _remove_parts(self, step: int) -> None:
         """The parts of the batch of ``step`` (trained, and held whole in that batch)."""
@@ -598,6 +617,8 @@ class Orchestrator:
             bind = getattr(self.env, "bind_sandboxes", None)
             if bind is not None:
                 bind(self.sandboxes)
+        if self.doorbell is not None:
+            self.doorbell.bind()
         watcher = asyncio.create_task(self._watch_trainer())
         watcher.add_done_callback(lambda _: self._wake.set())
         try:

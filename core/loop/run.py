@@ -32,6 +32,7 @@ from i3core.errors import HookFailed, I3Error
 from i3core.manager import Plugins
 from i3core.lifetime import mark_run
 from i3core.loop.checkpoint import full_disk_message
+from i3core.loop.doorbell import Doorbell
 from i3core.loop.paths import RunPaths
 from i3core.text import end_ids
 
@@ -193,8 +194,9 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     version = 0 if start is None else start.step
     trainer_args = [str(run.output_dir / "config.resolved.json"),
                     *([] if start is None else ["--resume", str(start.step)])]
+    doorbell = Doorbell() if config.trainer.colocate else None
     if config.trainer.colocate:
-        trainer = TrainerThread(trainer_args, trainer_log)
+        trainer = TrainerThread(trainer_args, trainer_log, doorbell)
     else:
         trainer = subprocess.Popen([*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, *trainer_args],
                                    stdout=trainer_log, stderr=subprocess.STDOUT)
@@ -217,10 +219,12 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         clients = [ClientSlot(source.client(url, tokenizer, stop_ids, stop), url) for url in urls]
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     run.sinks, progress=_progress(config.run.max_steps, version),
-                                    sandbox_backend=sandbox, resume=start, model=model)
+                                    sandbox_backend=sandbox, resume=start, model=model, doorbell=doorbell)
         asyncio.run(_orchestrate(orchestrator, trainer, clients))
     finally:
         paths.request_stop()
+        if doorbell is not None:
+            doorbell.ring_trainer()  # it looks for STOP at once
         try:
             trainer.wait(timeout=TRAINER_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -241,11 +245,12 @@ class TrainerThread:
     :func:`i3core.loop.trainer.main` on the same arguments, its lines and error line in ``log`` (a binary file:
     logs/trainer.log, as the process's), and stops as the process does: at STOP (the run's end, an interrupt) after
     checkpointing its last step. A thread cannot be killed: :meth:`kill` stops waiting for it; it is a daemon and
-    ends with the process."""
+    ends with the process. ``doorbell``: its rings to and from the orchestrator (:mod:`i3core.loop.doorbell`)."""
 
-    def __init__(self, args: list[str], log) -> None:
+    def __init__(self, args: list[str], log, doorbell: Doorbell | None = None) -> None:
         self.returncode: int | None = None
         self.killed = False
+        self.doorbell = doorbell
         self._log = open(log.fileno(), "w", buffering=1, closefd=False, errors="replace")
         self._thread = threading.Thread(target=self._main, args=(args,), name="i3core-trainer", daemon=True)
         self._thread.start()
@@ -254,7 +259,7 @@ class TrainerThread:
         from i3core.loop.trainer import main
 
         try:
-            code = main(args, output=self._log)
+            code = main(args, output=self._log, doorbell=self.doorbell)
         except BaseException:  # the process's trainer would print it and exit 1: so does this one, into its log
             traceback.print_exc(file=self._log)
             code = 1

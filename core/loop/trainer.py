@@ -241,12 +241,16 @@ class Trainer:
     ``world``-th row of a batch, and the loss is scaled by ``world`` because FSDP2 averages gradients over ranks
     while the loss is already normalised by the global token count."""
 
-    def __init__(self, config: RunConfig, resume_step: int | None = None, rewind: bool = False, output=None):
+    def __init__(self, config: RunConfig, resume_step: int | None = None, rewind: bool = False, output=None,
+                 doorbell=None):
         """:param resume_step: the checkpoint to continue from; :param rewind: undo what the run did after it (after
         step 0 with no checkpoint) before the first version goes out (:func:`i3core.loop.resume.rewind`);
-        :param output: where the trainer's lines go (default stdout; a colocated trainer's: its log file)."""
+        :param output: where the trainer's lines go (default stdout; a colocated trainer's: its log file);
+        :param doorbell: a colocated trainer's :class:`~i3core.loop.doorbell.Doorbell` (rung at each version and
+            metrics file, waited on for batches)."""
         self.config = config
         self.output = output
+        self.doorbell = doorbell
         self.rewind = rewind
         self.stopping: str | None = None
         """Why the trainer stops after the step it is in: "SIGTERM", or "restart" (a restarted orchestrator)."""
@@ -399,14 +403,21 @@ class Trainer:
                 on_part(torch.load(part_path, weights_only=False))
                 part += 1
 
-        take_parts()
-        while not path.exists():
+        bell = self.doorbell
+        while True:
+            if bell is not None:
+                bell.trainer_clear()  # before the look: a ring from here on ends the wait below
+            take_parts()
+            if path.exists():
+                break
             if self.paths.restart().exists():
                 self.stopping = self.stopping or "restart"
             if self.stopping or self.paths.stop().exists() or run_gone():  # a killed run cannot write STOP
                 return None
-            time.sleep(BATCH_POLL_S)
-            take_parts()
+            if bell is not None:
+                bell.trainer_wait()
+            else:
+                time.sleep(BATCH_POLL_S)
         take_parts()  # those written between the last look and the batch
         return torch.load(path, weights_only=False)
 
@@ -664,10 +675,12 @@ class Trainer:
             schedule.step()
             compute_s = time.perf_counter() - start_time + streamed.compute_s
             self.publish(step)
+            self._ring()
             metrics["step_time_s"] = time.perf_counter() - start_time
             metrics.update(self.utilisation(batch, compute_s, peak))
             if self.rank == 0:
                 atomic_write_bytes(self.paths.trainer_metrics(step), json.dumps(metrics).encode())
+                self._ring()
             last = step
             if every and step % every == 0:
                 self.checkpoint(step, optimizer, schedule)
@@ -675,6 +688,11 @@ class Trainer:
                 break
         if last > start and not (every and last % every == 0):
             self.checkpoint(last, optimizer, schedule)
+
+
+    def _ring(self) -> None:
+        if self.doorbell is not None:
+            self.doorbell.ring_orchestrator()
 
 
 def release_freed_memory() -> None:
@@ -704,10 +722,11 @@ def lr_schedule(optimizer, tcfg, max_steps: int) -> torch.optim.lr_scheduler.Lam
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def main(argv=None, config: RunConfig | None = None, output=None) -> int:
+def main(argv=None, config: RunConfig | None = None, output=None, doorbell=None) -> int:
     """The trainer role on one rank. :param config: the run's config when the caller has read it from ``argv``'s
     config and overrides already (``i3core trainer``): it is not read again. :param output: a text stream for the
-    trainer's lines and its error line (a colocated trainer's log file; default stdout and stderr)."""
+    trainer's lines and its error line (a colocated trainer's log file; default stdout and stderr).
+    :param doorbell: a colocated trainer's rings to and from the orchestrator (:mod:`i3core.loop.doorbell`)."""
     parser = argparse.ArgumentParser(prog="i3core trainer", description="The trainer role (run it under torchrun).")
     parser.add_argument("config", type=Path, help="plugins.toml or a run's config.resolved.json")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value override")
@@ -730,7 +749,7 @@ def main(argv=None, config: RunConfig | None = None, output=None) -> int:
                 else _step_arg(args.resume)
             if step is not None:
                 resume.check_unchanged(config)
-        trainer = Trainer(config, resume_step=step, rewind=args.resume is not None, output=output)
+        trainer = Trainer(config, resume_step=step, rewind=args.resume is not None, output=output, doorbell=doorbell)
         if threading.current_thread() is threading.main_thread():  # colocated: the run's process handles signals
             signal.signal(signal.SIGTERM, trainer.on_sigterm)
         trainer.run()
