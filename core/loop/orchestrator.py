@@ -61,7 +61,8 @@ TRAINER_POLL_S = 0.002
 while rollouts run: each look takes the event loop from them and the engine."""
 TRAINER_POLL_IDLE_S = 0.0005
 """How often it looks when no rollout runs (an on-policy run waiting for the version its next batch needs): the
-wait is all on the critical path, and the look takes nothing from anyone."""
+wait is all on the critical path, and the look takes nothing from a trainer in another process (a colocated one,
+whose interpreter it would take, rings instead: :mod:`i3core.loop.doorbell`)."""
 PROBE_FIRST_S = 0.5
 """First re-probe of a server marked down; doubles after every failed probe."""
 PROBE_MAX_S = 8.0

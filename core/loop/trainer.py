@@ -68,7 +68,8 @@ STOCHASTIC_ATTRS = re.compile(r"dropout|drop_?prob|pdrop|layerdrop|jitter", re.I
 and ``layerdrop``, Mixtral's ``jitter_noise``, ...): their forwards apply them only in train mode."""
 BATCH_POLL_S = 0.0005
 """How often the trainer looks for its next batch: the wait is on the critical path of every step (a few
-microseconds of CPU a look)."""
+microseconds of CPU a look; a colocated trainer waits for the orchestrator's ring instead:
+:mod:`i3core.loop.doorbell`)."""
 
 
 def disable_dropout(model: torch.nn.Module) -> list[str]:
