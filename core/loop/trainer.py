@@ -690,7 +690,6 @@ class Trainer:
         if last > start and not (every and last % every == 0):
             self.checkpoint(last, optimizer, schedule)
 
-
     def _ring(self) -> None:
         if self.doorbell is not None:
             self.doorbell.ring_orchestrator()

@@ -13,8 +13,8 @@ What differs from ``builtin``: one engine, in this process, no ``servers``
 count (so no ``broadcast`` weight sync: it needs server processes; each
 version is read from the ``filesystem`` sync's directory, which stays in the
 page cache on one machine, or, with the trainer colocated, taken from the
-``memory`` sync's mailbox: a weight sync with a ``receiver``), nothing to restart (an engine failure fails the
-run, as the orchestrator's own would), and nothing another machine can reach
+``memory`` sync's mailbox through its ``receiver``), nothing to restart (an
+engine failure fails the run, as the orchestrator's own would), and nothing another machine can reach
 (a cluster keeps ``builtin`` or ``vllm``). A sequence that fails alone in the engine (non-finite logits)
 fails its rollout (:class:`~i3core.errors.SequenceFailed`, counted by the ledger); an engine that breaks fails
 every waiting rollout and the run with :class:`~i3core.errors.EngineFailed`. ``threads`` sets torch's threads
