@@ -122,9 +122,9 @@ class TrainerSection(BaseModel):
     colocate: bool = Field(
         False, description="Run the trainer in the run's own process, a thread beside the orchestrator and the "
                            "`local` engine, instead of a process of its own: one torch runtime instead of two "
-                           "(about 250 MB less on a CPU). Both roles share one interpreter: little cost where they "
-                           "take turns (on-policy), a third of the speed where the trainer trains while the engine "
-                           "generates. "
+                           "(about 250 MB less on a CPU). Both roles share one interpreter and wake each other: "
+                           "the fastest setting where they take turns (on-policy), slower where the trainer trains "
+                           "while the engine generates (stream_groups on long completions: 2.2 against 2.6 steps/s). "
                            "One trainer rank, inference `local`, trainer.threads equal to inference.threads.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Newest complete checkpoints kept; older ones are deleted.")

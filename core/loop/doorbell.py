@@ -23,7 +23,7 @@ class Doorbell:
 
     def __init__(self) -> None:
         self._trainer = threading.Event()
-        self._orchestrator: asyncio.Event | None = None
+        self._orchestrator = asyncio.Event()  # an event belongs to the loop that first waits on it
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the trainer's side (a thread) ----------------------------------------
@@ -41,27 +41,23 @@ class Doorbell:
     # -- the orchestrator's side (its event loop) -----------------------------
 
     def bind(self) -> None:
-        """The orchestrator's event loop (the running one) is where its ring sounds."""
+        """The orchestrator's event loop (the running one) is where its ring sounds; call it before the first wait."""
         self._loop = asyncio.get_running_loop()
-        self._orchestrator = asyncio.Event()
 
     def ring_orchestrator(self) -> None:
-        loop, event = self._loop, self._orchestrator
-        if loop is None or event is None:
+        loop = self._loop
+        if loop is None:
             return  # no orchestrator waits yet: it looks before its first wait
         try:
-            loop.call_soon_threadsafe(event.set)
+            loop.call_soon_threadsafe(self._orchestrator.set)
         except RuntimeError:  # its loop is closed: nobody waits any more
             pass
 
     def orchestrator_clear(self) -> None:
-        if self._orchestrator is not None:
-            self._orchestrator.clear()
+        self._orchestrator.clear()
 
     async def orchestrator_wait(self, timeout: float = LOOK_S) -> None:
         """Until the orchestrator's ring (or ``timeout``); call :meth:`orchestrator_clear` before looking."""
-        if self._orchestrator is None:
-            self.bind()
         try:
             await asyncio.wait_for(self._orchestrator.wait(), timeout)
         except TimeoutError:

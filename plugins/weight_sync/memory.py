@@ -48,6 +48,12 @@ class Mailbox:
             self.version, self._tensors = version, tensors
             self._ready.notify_all()
 
+    def wait(self) -> int:
+        """Block until a version is in the mailbox; that version (it stays there for :meth:`take`)."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._tensors is not None)
+            return self.version
+
     def take(self, timeout_s: float = TAKE_TIMEOUT_S) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest version and its tensors, waiting up to ``timeout_s`` for one; it leaves the mailbox."""
         with self._ready:
@@ -76,9 +82,7 @@ class MemoryReceiver:
 
     def wait_round(self) -> int:
         """Block until a version is in the mailbox; that version (it stays there for :meth:`receive`)."""
-        with self.box._ready:
-            self.box._ready.wait_for(lambda: self.box._tensors is not None)
-            return self.box.version
+        return self.box.wait()
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest version put and its HF tensors (the engine's own copy: it may keep them as its weights)."""
@@ -119,11 +123,15 @@ class MemorySync:
         """The first version of a trainer is a directory the engine starts from; later ones arrive in memory."""
         return self._disk.location(root, version) if self._disk.is_ready(root, version) else None
 
-    def is_ready(self, root: Path, version: int) -> bool:
-        box = self._boxes.get(root)  # looked up once: the orchestrator asks every half millisecond
+    def _box(self, root: Path) -> Mailbox:
+        """The run's mailbox, its path resolved once (the orchestrator asks every half millisecond)."""
+        box = self._boxes.get(root)
         if box is None:
             box = self._boxes[root] = mailbox(root)
-        return box.version >= version or self._disk.is_ready(root, version)
+        return box
+
+    def is_ready(self, root: Path, version: int) -> bool:
+        return self._box(root).version >= version or self._disk.is_ready(root, version)
 
     def receiver(self, root: Path) -> dict:
         """What the engine needs to take versions from the run's mailbox."""
@@ -136,11 +144,9 @@ class MemorySync:
 
     def publish(self, root: Path, weights) -> None:
         """The first version to disk (the mailbox starts empty); each later one copied into the mailbox."""
-        box = mailbox(root)
         if weights.initial:
-            box.reset()
+            self._box(root).reset()
             self._disk.publish(root, weights)
             return
         tensors = {name: tensor.detach().clone() for name, tensor in weights.hf_tensors()}
-        if weights.rank == 0:
-            box.put(weights.version, tensors)
+        self._box(root).put(weights.version, tensors)  # one rank: colocated (check_config)
