@@ -200,8 +200,8 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     else:
         trainer = subprocess.Popen([*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, *trainer_args],
                                    stdout=trainer_log, stderr=subprocess.STDOUT)
-    colocated = config.trainer.colocate and threading.current_thread() is threading.main_thread()
-    sigterm = signal.signal(signal.SIGTERM, _interrupt) if colocated else None
+    in_main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
     source = run.components["inference"]
     rendezvous = None
     try:
@@ -281,8 +281,9 @@ class TrainerThread:
 
 
 def _interrupt(signum, frame) -> None:
-    """SIGTERM to a run whose trainer is a thread: the run is interrupted (Ctrl-C) and the trainer checkpoints its
-    last step at the STOP that follows, as a trainer process does when its run is gone."""
+    """SIGTERM to a run: it is interrupted as by Ctrl-C (exit 130), its servers stopped, and the trainer, a thread
+    or a process, checkpoints its last step at the STOP that follows. Without it the run's process died at once
+    and its servers and trainer process ended only when their watchers saw it gone."""
     raise KeyboardInterrupt
 
 
