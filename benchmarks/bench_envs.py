@@ -4,14 +4,14 @@ Runs ``i3core run examples/reasoning_gym.toml`` (the quickstart with only ``[env
 letter_counting, adaptive mixing; SFT warm start included) in a fresh output directory and reads its
 metrics.jsonl. The last line is JSON: ``reward_gain`` (mean reward of the last five RL steps minus the first
 five), ``wall_s``, the per-dataset gains ``gain/<dataset>`` (the same over the steps that drew that dataset),
-``steps`` and ``seed``.
+``steps`` and ``seed``. ``--set SECTION.KEY=VALUE`` overrides the config as ``i3core run --set`` does.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from runs import run_config
+from runs import add_run_options, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 5
@@ -26,10 +26,9 @@ def gain(values: list[float]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "examples" / "reasoning_gym.toml", help="run config")
-    parser.add_argument("--seed", type=int, default=0, help="run.seed")
+    add_run_options(parser, ROOT / "examples" / "reasoning_gym.toml")
     args = parser.parse_args()
-    wall, rows = run_config(args.config, args.seed)
+    wall, rows = run_config(args.config, args.seed, *args.overrides)
     per_dataset = {}
     for key in sorted({k for r in rows for k in r if k.startswith("env/") and k.endswith("/reward/mean")}):
         per_dataset[f"gain/{key.split('/')[1]}"] = gain([r[key] for r in rows if r.get(key) is not None])

@@ -1,9 +1,9 @@
 """Off-policy ablation: the quickstart task with staleness forced to about 8 steps, one run per loss.
 
 Each run is the quickstart with its engine held ``--lag`` versions behind the
-trainer (``scheduler.weight_update_lag``, with ``max_async`` = lag and
-``max_off_policy_steps`` = 8, so groups older than 8 steps are dropped) and the
-same seed; only the loss differs: icepop, gspo, cispo and pg (no correction).
+trainer (``scheduler.weight_update_lag``, with ``max_async`` = lag,
+``max_off_policy_steps`` = 8, so groups older than 8 steps are dropped, and
+``max_sample_lag`` = 8 instead of the quickstart's 1) and the same seed; only the loss differs: icepop, gspo, cispo and pg (no correction).
 Prints one JSON object per loss, then a last line with all of them:
 ``{"results": [{"loss", "final_reward", "peak_reward", "drop_from_peak", "mean_off_policy_steps"}...]}``
 where final reward is the mean of the last 10 steps and the drop is peak (a
@@ -26,6 +26,8 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return [sum(values[i - window : i]) / window for i in range(window, len(values) + 1)]
 
 
+MAX_OFF_POLICY = 8
+"""Groups older than this many versions are dropped (``max_off_policy_steps``)."""
 ICEPOP_KEYS = ("mask_low", "mask_high", "rollout_min_ratio")
 """The quickstart's [loss] section carries icepop's keys; other losses do not take them."""
 
@@ -38,8 +40,10 @@ def run(loss: str, args, out: Path) -> list[dict]:
     config.write_text(text)
     sets = {
         "run.output_dir": f"'{out}'", "run.seed": args.seed, "run.max_steps": args.steps,
-        "loss.use": f"'{loss}'", "scheduler.max_off_policy_steps": 8, "scheduler.max_async": args.lag,
+        "loss.use": f"'{loss}'", "scheduler.max_off_policy_steps": MAX_OFF_POLICY, "scheduler.max_async": args.lag,
         "scheduler.weight_update_lag": args.lag, "weight_sync.keep": args.lag + 2,
+        # the quickstart starts a group only on weights at most 1 version behind: here as far as a group is kept
+        "scheduler.max_sample_lag": MAX_OFF_POLICY,
     }  # fmt: skip
     cmd = [sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(config)]
     cmd += [part for key, value in sets.items() for part in ("--set", f"{key}={value}")]

@@ -14,17 +14,14 @@ import argparse
 import json
 from pathlib import Path
 
-from runs import run_config
+from runs import add_run_options, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml", help="run config")
-    parser.add_argument("--seed", type=int, default=0, help="run.seed")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value, as i3core run --set; repeatable")
+    add_run_options(parser, ROOT / "examples" / "quickstart.toml")
     args = parser.parse_args()
     wall, rows = run_config(args.config, args.seed, *args.overrides)
     rewards = [r["reward/mean"] for r in rows]

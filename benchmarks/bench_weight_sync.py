@@ -80,7 +80,7 @@ async def measure(backend: str, transport: str, size: str, updates: int, streams
     receiver = sync.receiver(root)
     options = {"python": os.environ.get("I3CORE_VLLM_PYTHON")} if backend == "vllm" else {}
     source = make_component("rollout_source", backend, servers=1, max_slots=streams, max_len=128, **options)
-    metrics_path = "/i3/metrics" if backend == "vllm" else "/metrics"
+    metrics_path = "/i3/metrics"  # both backends' JSON counters (/metrics is Prometheus text)
     extra = {"receiver": receiver} if receiver else {}
     (url,) = await asyncio.to_thread(source.start, sync.location(root, 0), work / "logs", **extra)
     sender = Sender(rendezvous.path, "gloo") if rendezvous is not None else None

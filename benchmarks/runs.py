@@ -1,5 +1,6 @@
 """What the benchmarks that time a whole ``i3core run`` share: run a config as a user does, read its metrics."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -19,3 +20,11 @@ def run_config(config: Path, seed: int, *sets: str, out: Path | None = None) -> 
                         *(a for s in overrides for a in ("--set", s))], check=True)
         wall = time.perf_counter() - start
         return wall, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def add_run_options(parser: argparse.ArgumentParser, config: Path) -> None:
+    """``--config`` (default ``config``), ``--seed`` and the repeatable ``--set`` of a benchmark that runs a config."""
+    parser.add_argument("--config", type=Path, default=config, help="run config")
+    parser.add_argument("--seed", type=int, default=0, help="run.seed")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value, as i3core run --set; repeatable")
