@@ -3,7 +3,8 @@
 Each run is the quickstart with its engine held ``--lag`` versions behind the
 trainer (``scheduler.weight_update_lag``, with ``max_async`` = lag,
 ``max_off_policy_steps`` = 8, so groups older than 8 steps are dropped, and
-``max_sample_lag`` = 8 instead of the quickstart's 1) and the same seed; only the loss differs: icepop, gspo, cispo and pg (no correction).
+``max_sample_lag`` = 8 instead of the quickstart's 1) and the same seed; only
+the loss differs: icepop, gspo, cispo and pg (no correction).
 Prints one JSON object per loss, then a last line with all of them:
 ``{"results": [{"loss", "final_reward", "peak_reward", "drop_from_peak", "mean_off_policy_steps"}...]}``
 where final reward is the mean of the last 10 steps and the drop is peak (a
