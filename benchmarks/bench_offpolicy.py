@@ -13,10 +13,10 @@ where final reward is the mean of the last 10 steps and the drop is peak (a
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from runs import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 10
@@ -34,22 +34,20 @@ ICEPOP_KEYS = ("mask_low", "mask_high", "rollout_min_ratio")
 
 
 def run(loss: str, args, out: Path) -> list[dict]:
+    """The quickstart with loss ``loss`` at ``args.lag`` versions of staleness, in ``out``: its metrics rows."""
     text = args.config.read_text()
     if loss != "icepop":
         text = "\n".join(line for line in text.splitlines() if line.split("=")[0].strip() not in ICEPOP_KEYS)
     config = out.parent / f"{loss}.toml"
     config.write_text(text)
     sets = {
-        "run.output_dir": f"'{out}'", "run.seed": args.seed, "run.max_steps": args.steps,
-        "loss.use": f"'{loss}'", "scheduler.max_off_policy_steps": MAX_OFF_POLICY, "scheduler.max_async": args.lag,
-        "scheduler.weight_update_lag": args.lag, "weight_sync.keep": args.lag + 2,
+        "run.max_steps": args.steps, "loss.use": f"'{loss}'", "scheduler.max_off_policy_steps": MAX_OFF_POLICY,
+        "scheduler.max_async": args.lag, "scheduler.weight_update_lag": args.lag, "weight_sync.keep": args.lag + 2,
         # the quickstart starts a group only on weights at most 1 version behind: here as far as a group is kept
         "scheduler.max_sample_lag": MAX_OFF_POLICY,
     }  # fmt: skip
-    cmd = [sys.executable, "-m", "i3core.cli", "--log-level", "warning", "run", str(config)]
-    cmd += [part for key, value in sets.items() for part in ("--set", f"{key}={value}")]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _, rows = run_config(config, args.seed, *(f"{key}={value}" for key, value in sets.items()), out=out)
+    return rows
 
 
 def main() -> None:
