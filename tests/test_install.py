@@ -40,6 +40,23 @@ def pip_install(venv: Path, *args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def copy_source_tree(to: Path) -> None:
+    """The checkout as a user's clone has it: the files git does not ignore (tracked or new). Not CI's
+    environments under .ci (vLLM's alone is 3.5 GB), runs, builds or caches; without git, all but those."""
+    git = shutil.which("git")
+    listed = git and subprocess.run([git, "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+                                     "--exclude-standard"], capture_output=True, text=True)  # fmt: skip
+    if not listed or listed.returncode != 0:
+        shutil.copytree(ROOT, to, ignore=shutil.ignore_patterns(".git", ".ci", "runs", "build", "*.egg-info", ".venv",
+                                                                ".hypothesis", ".pytest_cache"))
+        return
+    for name in filter(None, listed.stdout.split("\0")):
+        path = ROOT / name
+        if path.is_file():  # a tracked file deleted in the work tree is listed too
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, to / name)
+
+
 def cli(venv: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [python(venv), "-m", "i3core.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
@@ -48,7 +65,7 @@ def cli(venv: Path, *args: str, cwd: Path | None = None) -> subprocess.Completed
 
 def test_regular_install_of_i3core(venv, tmp_path):
     source = tmp_path / "src"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "runs", "build", "*.egg-info", ".venv"))
+    copy_source_tree(source)
     pip_install(venv, str(source))
     where = subprocess.run(
         [python(venv), "-c", "import i3core, i3core.plugins.losses as l; print(i3core.__file__); print(l.__file__)"],
