@@ -58,7 +58,8 @@ class Doorbell:
 
     async def orchestrator_wait(self, timeout: float = LOOK_S) -> None:
         """Until the orchestrator's ring (or ``timeout``); call :meth:`orchestrator_clear` before looking."""
-        try:
-            await asyncio.wait_for(self._orchestrator.wait(), timeout)
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a ring
+            async with asyncio.timeout(timeout):
+                await self._orchestrator.wait()
         except TimeoutError:
             pass

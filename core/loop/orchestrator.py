@@ -635,8 +635,9 @@ class Orchestrator:
                 self._fill()
                 self._check_servers()
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a set event
+                    async with asyncio.timeout(0.5):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
             await watcher

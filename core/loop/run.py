@@ -201,7 +201,8 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         trainer = subprocess.Popen([*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, *trainer_args],
                                    stdout=trainer_log, stderr=subprocess.STDOUT)
     in_main = threading.current_thread() is threading.main_thread()
-    sigterm = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
+    interrupt = Interrupt()
+    sigterm = signal.signal(signal.SIGTERM, interrupt) if in_main else None
     source = run.components["inference"]
     rendezvous = None
     try:
@@ -220,7 +221,12 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
         orchestrator = Orchestrator(config, run.plugins, env, run.components["scheduler"], sync, clients,
                                     run.sinks, progress=_progress(config.run.max_steps, version),
                                     sandbox_backend=sandbox, resume=start, model=model, doorbell=doorbell)
-        asyncio.run(_orchestrate(orchestrator, trainer, clients))
+        try:
+            asyncio.run(_orchestrate(orchestrator, trainer, clients, interrupt))
+        except asyncio.CancelledError:
+            if not interrupt.count:
+                raise
+            raise KeyboardInterrupt from None  # the loop wound down cleanly: now the run is interrupted
     finally:
         paths.request_stop()
         if doorbell is not None:
@@ -280,11 +286,26 @@ class TrainerThread:
         self.killed = True
 
 
-def _interrupt(signum, frame) -> None:
+class Interrupt:
     """SIGTERM to a run: it is interrupted as by Ctrl-C (exit 130), its servers stopped, and the trainer, a thread
     or a process, checkpoints its last step at the STOP that follows. Without it the run's process died at once
-    and its servers and trainer process ended only when their watchers saw it gone."""
-    raise KeyboardInterrupt
+    and its servers and trainer process ended only when their watchers saw it gone.
+
+    While the orchestrator's loop runs (``task``), the signal cancels that task, as asyncio.run does on Ctrl-C: the
+    loop winds down (rollouts cancelled, clients closed) and :func:`train` then raises KeyboardInterrupt. Raised
+    from the handler instead, it landed in whatever task ran and came out as a traceback. Outside the loop, or at
+    a second signal, it raises KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.count = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        task = self.task
+        if task is None or task.done() or self.count > 1:
+            raise KeyboardInterrupt
+        task.get_loop().call_soon_threadsafe(task.cancel)
 
 
 def trainer_launcher(nproc: int) -> list[str]:
@@ -411,7 +432,8 @@ async def watch_trainer(trainer: "subprocess.Popen | TrainerThread", out: Path,
         raise trainer_failure(trainer.returncode, out)
 
 
-async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients) -> None:
+async def _orchestrate(orchestrator, trainer: subprocess.Popen, clients, interrupt: Interrupt) -> None:
+    interrupt.task = asyncio.current_task()
     main = asyncio.create_task(orchestrator.run())
     guard = asyncio.create_task(watch_trainer(trainer, orchestrator.config.run.out))
     try:
