@@ -58,8 +58,14 @@ class Doorbell:
 
     async def orchestrator_wait(self, timeout: float = LOOK_S) -> None:
         """Until the orchestrator's ring (or ``timeout``); call :meth:`orchestrator_clear` before looking."""
-        try:  # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a ring
-            async with asyncio.timeout(timeout):
-                await self._orchestrator.wait()
-        except TimeoutError:
-            pass
+        await wait_event(self._orchestrator, timeout)
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Until ``event`` is set or ``timeout`` seconds pass, whichever is first. With asyncio.timeout, not wait_for:
+    Python 3.11's wait_for swallows a cancel that arrives as the event is set, and a cancelled run went on."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        pass

@@ -45,6 +45,7 @@ from typing import Any
 import structlog
 
 from i3core.loop.checkpoint import OrchestratorState
+from i3core.loop.doorbell import wait_event
 from i3core.errors import EngineFailed, I3Error, RequestRefused, RolloutMasked, ServerError
 from i3core.loop.events import end_step, group_kept
 from i3core.files import atomic_torch_save
@@ -635,11 +636,7 @@ class Orchestrator:
                 self._fill()
                 self._check_servers()
                 self._wake.clear()
-                try:  # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a set event
-                    async with asyncio.timeout(0.5):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
+                await wait_event(self._wake, 0.5)
             await watcher
         finally:
             watcher.cancel()
