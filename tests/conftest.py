@@ -123,6 +123,20 @@ def finish_run(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 6
     return stderr, rows
 
 
+def interrupt_at_step(proc: subprocess.Popen, out: Path, step: int, max_steps: int) -> tuple[str, list[dict]]:
+    """Once the run writing ``out`` has written ``step``'s metrics, SIGTERM it; assert it was interrupted (exit
+    130) before ``max_steps`` with every row in order and the ledger adding up. Returns its stderr and the rows."""
+    with killed_on_failure(proc):
+        wait_for_step(proc, out, step)
+        proc.send_signal(signal.SIGTERM)  # interrupted as Ctrl-C does
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < max_steps
+    assert_ledger(rows)
+    return stderr, rows
+
+
 def trainer_command(config_path: Path, nproc: int, *args: str) -> list[str]:
     """``torchrun ... -m i3core.loop.trainer CONFIG ARGS``: the trainer role as ``i3core run`` starts it."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
