@@ -263,6 +263,27 @@ def test_multi_turn_rollout_timeout_keeps_the_turns_done(tok):
     assert rollout.metrics["stop/env_timeout"] == 1.0
 
 
+def test_multi_turn_rollout_cancelled_as_the_env_answers_ends_cancelled(tok):
+    """A run stopping cancels its rollouts; the cancel lands as env_response returns. Python 3.11's
+    asyncio.wait_for handed back the reply and dropped the cancel: the rollout went on with its next turns."""
+    rollout_task = None
+
+    class AnswersAsTheRunStops(Guess):
+        async def env_response(self, messages, state):
+            rollout_task.cancel()
+            return [{"role": "user", "content": "lower"}]
+
+    env = AnswersAsTheRunStops(MultiTurnConfig(max_tokens=8, max_turns=3))
+
+    async def go():
+        nonlocal rollout_task
+        rollout_task = asyncio.create_task(env.rollout(ScriptedClient(tok, ["1" + END] * 3), env.examples()[9]))
+        with pytest.raises(asyncio.CancelledError):
+            await rollout_task
+
+    run(go())
+
+
 THINK_STRIPPING_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"

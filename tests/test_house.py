@@ -110,3 +110,16 @@ def test_the_model_protocol_gives_tensor_shapes():
         assert methods and not undocumented, f"{name}: {undocumented}"
     assert "[R, S]" in inspect.getdoc(protocols.CausalLM.forward)
     assert "[B, S, H]" in inspect.getdoc(protocols.CausalLM.forward_cached)
+
+
+def test_no_asyncio_wait_for():
+    """Python 3.11's ``asyncio.wait_for`` returns the result of what it waits on when a cancel arrives as that
+    finishes, dropping the cancel: a stopping run's task goes on. ``async with asyncio.timeout(...)`` does not."""
+    found = [
+        f"{MODULES[m].relative_to(ROOT)}:{node.lineno}"
+        for m in MODULES
+        for node in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "wait_for"
+        and isinstance(node.value, ast.Name) and node.value.id == "asyncio"
+    ]
+    assert not found, f"asyncio.wait_for at {found}: use async with asyncio.timeout(...)"

@@ -334,7 +334,8 @@ class NsExec:
         after raising any error among them."""
         reader, transport = await _pipe_reader(await self._send(request, fds))
         try:
-            text = decode(await asyncio.wait_for(reader.read(), SERVER_WAIT_S))
+            async with asyncio.timeout(SERVER_WAIT_S):
+                text = decode(await reader.read())
         except TimeoutError:
             raise SandboxError(f"{what}: the fork server did not answer within {SERVER_WAIT_S:g}s") from None
         finally:
@@ -430,16 +431,19 @@ class NsExec:
         timed_out = False
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(finished), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(finished)
             except TimeoutError:
                 timed_out = True
                 await self.kill_all(jail)
                 try:  # what the killed processes wrote; a pipe still open now is held by no process (an fd in flight
-                    await asyncio.wait_for(asyncio.shield(outputs), OUTPUT_GRACE_S)  # in a unix socket): dropped
+                    async with asyncio.timeout(OUTPUT_GRACE_S):  # in a unix socket): dropped
+                        await asyncio.shield(outputs)
                 except TimeoutError:
                     pass
                 try:
-                    await asyncio.wait_for(asyncio.shield(status_task), STOP_WAIT_S)
+                    async with asyncio.timeout(STOP_WAIT_S):
+                        await asyncio.shield(status_task)
                 except TimeoutError:
                     raise SandboxError(f"no exit status {STOP_WAIT_S:g}s after the command was killed") from None
             except asyncio.CancelledError:

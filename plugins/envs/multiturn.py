@@ -141,7 +141,8 @@ class MultiTurnEnv(Environment):
             if state["turn"] >= cfg.max_turns:
                 return "max_turns"
             try:
-                reply = await asyncio.wait_for(self.env_response(messages, state), cfg.env_timeout_s)
+                async with asyncio.timeout(cfg.env_timeout_s):
+                    reply = await self.env_response(messages, state)
             except TimeoutError:
                 return "env_timeout"
             state["turn_rewards"][-1] += state.pop("turn_reward", 0.0)

@@ -169,12 +169,13 @@ class ToolEnv(MultiTurnEnv):
         except TypeError as exc:
             return f"Error: bad arguments for {name}: {exc}"
         try:
-            if inspect.iscoroutinefunction(func):
-                result = await asyncio.wait_for(func(**args), self.config.tool_timeout_s)
-            else:  # off the event loop, so a slow tool stalls only its own rollout, and only until the timeout
-                result = await asyncio.wait_for(asyncio.to_thread(func, **args), self.config.tool_timeout_s)
-                if inspect.isawaitable(result):
-                    result = await asyncio.wait_for(result, self.config.tool_timeout_s)
+            async with asyncio.timeout(self.config.tool_timeout_s):
+                if inspect.iscoroutinefunction(func):
+                    result = await func(**args)
+                else:  # off the event loop, so a slow tool stalls only its own rollout, and only until the timeout
+                    result = await asyncio.to_thread(func, **args)
+                    if inspect.isawaitable(result):
+                        result = await result
         except TimeoutError:
             return f"Error: {name} timed out after {self.config.tool_timeout_s:g}s"
         except (SandboxError, RolloutMasked):  # the sandbox failed, not the model's call: the rollout is masked

@@ -360,12 +360,14 @@ class DockerSandbox(SandboxBase):
         finish.add_done_callback(_retrieved)  # an exec abandoned by an error or a cancel logs nothing
         timed_out = False
         try:
-            exit_code, started = await asyncio.wait_for(asyncio.shield(finish), timeout)
+            async with asyncio.timeout(timeout):
+                exit_code, started = await asyncio.shield(finish)
         except TimeoutError:
             timed_out, exit_code = True, None
             await self._kill_all()
             try:
-                await asyncio.wait_for(asyncio.shield(finish), DRAIN_WAIT_S)
+                async with asyncio.timeout(DRAIN_WAIT_S):
+                    await asyncio.shield(finish)
             except TimeoutError:
                 stream.cut()  # something outside the user's reach holds the pipe: stop reading
         finally:

@@ -430,7 +430,8 @@ class ReadinessWebhook:
     async def wait(self, sandbox_id: str, future: asyncio.Future[str], timeout: float) -> str:
         """The address ``sandbox_id``'s agent reported, or :class:`SandboxError` after ``timeout`` seconds."""
         try:
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                return await future
         except TimeoutError:
             raise SandboxError(f"sandbox {sandbox_id}: no readiness POST from its agent within {timeout:g}s") from None
         finally:
