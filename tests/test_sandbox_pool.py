@@ -156,6 +156,34 @@ def test_other_cancellations_pass_through(tmp_path):
     run(go())
 
 
+def test_a_run_stopping_as_the_sandbox_dies_stops_the_rollout(tmp_path):
+    """Two cancels at once, the pool's watcher's (the sandbox died) and the run's: the rollout ends cancelled, not
+    masked (a mask would take one cancel back and the rollout would go on), and the sandbox is not reused."""
+    async def go():
+        pool = pool_for(tmp_path, health_interval_s=0.1)
+        task = None
+
+        async def rollout():
+            async with pool.lease() as sb:
+
+                async def dies_as_the_run_stops():
+                    task.cancel()  # the run stopping, in the moment the watcher finds the sandbox gone
+                    return False
+
+                sb.alive = dies_as_the_run_stops
+                await asyncio.sleep(60)
+
+        try:
+            task = asyncio.create_task(rollout())
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert pool.stats["failed"] == 1
+        finally:
+            await pool.close()
+
+    run(go())
+
+
 def test_reuse_keeps_the_number_of_sandboxes_at_the_cap(tmp_path):
     """A slot is freed only once its sandbox is reset, so a busy pool reuses instead of making more."""
 

@@ -96,14 +96,14 @@ class SandboxPool:
             yield sandbox
         except SandboxError as exc:
             failed = True
-            if dead.is_set():  # the watcher's cancel turned into this error on its way out
-                task.uncancel()
+            # the watcher's cancel turned into this error on its way out; a cancel besides it (the run stopping) stands
+            if dead.is_set() and task.uncancel():
+                raise asyncio.CancelledError from None
             raise RolloutMasked(SANDBOX_FAILED, str(exc)) from None
         except asyncio.CancelledError:
-            if not dead.is_set():
+            if not dead.is_set() or task.uncancel():  # not the watcher's alone: the run is stopping
                 raise
             failed = True
-            task.uncancel()
             raise RolloutMasked(SANDBOX_FAILED, f"sandbox {sandbox.id} died during the rollout") from None
         finally:
             self.stats["leased"] -= 1
