@@ -38,7 +38,8 @@ def _cluster_problem() -> str | None:
         return "sinfo does not answer (no slurmctld?)"
     idle = [line for line in nodes.stdout.splitlines() if line.split()[-1] in ("idle", "mix", "alloc")]
     if nodes.returncode != 0 or len(idle) < 3:
-        return f"no Slurm cluster of 3 nodes up ({nodes.stderr.strip() or nodes.stdout.strip() or 'none'})"
+        said = (nodes.stderr.strip() or nodes.stdout.strip() or "none").splitlines()[-1]  # one line in the skip
+        return f"no Slurm cluster of 3 nodes up ({said})"
     return None
 
 
