@@ -158,7 +158,7 @@ def test_other_cancellations_pass_through(tmp_path):
 
 def test_a_run_stopping_as_the_sandbox_dies_stops_the_rollout(tmp_path):
     """Two cancels at once, the pool's watcher's (the sandbox died) and the run's: the rollout ends cancelled, not
-    masked (a mask would take one cancel back and the rollout would go on), and the sandbox is not reused."""
+    masked (the mask answered the watcher's cancel and dropped the run's), and the sandbox is not reused."""
     async def go():
         pool = pool_for(tmp_path, health_interval_s=0.1)
         task = None
