@@ -313,6 +313,53 @@ def test_the_builtin_server_answers_chats_in_the_models_template(made):
     assert ended["choices"][0]["finish_reason"] == "stop" and ended["choices"][0]["token_ids"][-1] == im_end
 
 
+REFUSING_TEMPLATE = (  # what Mistral's and Gemma's templates do with two user turns in a row
+    "{%- for m in messages -%}{%- if loop.index0 > 0 and m['role'] == 'user' and messages[loop.index0 - 1]['role'] "
+    "== 'user' -%}{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}"
+    "{%- endif -%}{%- endfor -%}")
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them(made, tmp_path):
+    """A template's ``raise_exception`` answers the client (400, the template's words, ``param`` the messages or
+    the Responses ``input``) on every route that renders a chat; the server goes on serving."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from i3core.plugins.inference.server import builtin_server, make_app
+
+    directory = tmp_path / "refusing"
+    shutil.copytree(made("qwen3"), directory)
+    template = directory / "chat_template.jinja"
+    template.write_text(REFUSING_TEMPLATE + template.read_text())
+    server = builtin_server(directory, component(directory), max_slots=2, max_len=128, version=0)
+    twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    once = [{"role": "user", "content": "a"}]
+
+    async def scenario():
+        http = TestServer(make_app(server), host="127.0.0.1")
+        await http.start_server()
+        answers = []
+        try:
+            async with aiohttp.ClientSession(str(http.make_url(""))) as session:
+                for path, body in [("/v1/chat/completions", {"messages": twice, "max_tokens": 2}),
+                                   ("/v1/responses", {"input": twice, "max_output_tokens": 2}),
+                                   ("/tokenize", {"messages": twice}),
+                                   ("/v1/chat/completions", {"messages": once, "max_tokens": 2})]:
+                    async with session.post(path, json=body) as response:
+                        answers.append((response.status, await response.json()))
+        finally:
+            await http.close()
+        return answers
+
+    *refused, served = asyncio.run(scenario())
+    for (status, body), param in zip(refused, ["messages", "input", "messages"]):
+        assert status == 400, body
+        assert body["error"]["param"] == param
+        assert body["error"]["message"] == (f"the chat template refused the {param}: Conversation roles must "
+                                            "alternate user/assistant/user/assistant/...")
+    assert served[0] == 200, served
+
+
 def test_env_turns_follow_the_models_stop_token_whatever_the_template_does_to_earlier_turns():
     """A Qwen3-like template writes a <think> block in the last assistant turn only: after an env turn the
     earlier reply renders differently, yet the env's tokens are exactly what follows the closed turn."""

@@ -700,3 +700,21 @@ def test_serve_refuses_a_max_len_above_the_models_positions(tmp_path):
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "--max-len 8192 exceeds the model's max_position_embeddings (2048)" in line
+
+
+def test_a_stream_holds_back_exactly_the_longest_start_of_a_stop_string_its_text_ends_with():
+    """:func:`_begun` (the held-back part of a streamed text: where the last characters hold a stop string's first
+    one, no more) against its definition, every proper prefix of the stop tried in turn, on random texts."""
+    import random
+
+    from i3core.plugins.inference.openai_api import _begun
+
+    def definition(text: str, end: int, marker: str) -> int:
+        return next((cut for cut in range(min(len(marker) - 1, end), 0, -1) if text[:end].endswith(marker[:cut])), 0)
+
+    rng = random.Random(0)
+    for _ in range(20_000):
+        marker = "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        end = rng.randint(0, len(text))
+        assert _begun(text, end, marker) == definition(text, end, marker), (text, end, marker)

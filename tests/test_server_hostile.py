@@ -44,6 +44,24 @@ def chat(**extra) -> dict:
     return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
 
 
+def nested(depth: int) -> dict:
+    """``{"a": {"a": ...}}``, ``depth`` objects deep."""
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def called(arguments: str) -> list[dict]:
+    """A user turn, then an assistant turn that called ``f`` with ``arguments``."""
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+
+
 def cases(vocab: int) -> list[tuple]:
     """(method, path, body: dict or raw bytes, headers, status, words in the error message)."""
     c = "/v1/completions"
@@ -79,6 +97,12 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", c, {**PLAIN, "seed": 2**63 - 1, "n": 2}, {}, 200, ""),
         ("POST", c, {**PLAIN, "seed": -(2**63)}, {}, 200, ""),
         ("POST", c, {**PLAIN, "seed": 2**63}, {}, 400, "seed must be an integer in"),
+        ("POST", c, {**PLAIN, "logit_bias": {str(vocab - 1): 100}}, {}, 200, ""),
+        ("POST", c, {**PLAIN, "logit_bias": {"\u00b2": 1}}, {}, 400, "logit_bias must map token ids"),  # isdigit
+        ("POST", c, {**PLAIN, "logit_bias": {"--1": 1}}, {}, 400, "logit_bias must map token ids"),
+        ("POST", c, {**PLAIN, "logit_bias": {"9" * 5000: 1}}, {}, 400, "logit_bias must map token ids"),
+        ("POST", "/inference/v1/generate", {"token_ids": [1], "sampling_params": {"logit_bias": {"\u00b2": 1}}}, {},
+         400, "logit_bias must map token ids"),
         ("POST", c, {**PLAIN, "stop": [long_stop] * 16}, {}, 200, ""),
         ("POST", c, {**PLAIN, "stop": ["x"] * 17}, {}, 400, "stop must be a non-empty string or a list of at most 16"),
         ("POST", c, {**PLAIN, "stop": long_stop + "s"}, {}, 400, "each at most 256 characters"),
@@ -103,8 +127,22 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", c, b'"just a string"', {}, 400, "must be a JSON object"),
         ("POST", c, b"null", {}, 400, "must be a JSON object"),
         ("POST", c, b"{" * 50_000, {}, 400, "not valid JSON"),
-        ("POST", c, b'{"a":' * 5_000 + b"1" + b"}" * 5_000, {}, 400, "nested too deeply"),
-        ("POST", c, b'{"prompt": [1], "stop": ' + b"[" * 500 + b"]" * 500 + b"}", {}, 400, "stop must be"),
+        ("POST", c, b'{"a":' * 5_000 + b"1" + b"}" * 5_000, {}, 400, "the body is nested more than 64 deep"),
+        # JSON nested past what a chat template can recurse through: in tools, in a call's arguments
+        ("POST", "/v1/chat/completions", chat(tools=[tool(nested(100))]), {}, 400,
+         "the body is nested more than 64 deep (in tools)"),
+        ("POST", "/v1/chat/completions", chat(tools=[tool(nested(40))]), {}, 200, ""),
+        ("POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}], "tools": [tool(nested(100))]}, {},
+         400, "the body is nested more than 64 deep"),
+        ("POST", "/v1/chat/completions", chat(messages=called("[" * 100_000)), {}, 400,
+         "messages[1].tool_calls[0].function.arguments must encode a JSON object"),
+        ("POST", "/v1/chat/completions", chat(messages=called(json.dumps(nested(100)))), {}, 400,
+         "messages[1].tool_calls[0].function.arguments is nested more than 64 deep"),
+        ("POST", "/v1/responses", {"input": [{"role": "user", "content": "hi"}, {
+            "type": "function_call", "call_id": "c", "name": "f", "arguments": json.dumps(nested(100))}]}, {}, 400,
+         "input[1].arguments is nested more than 64 deep"),
+        ("POST", c, b'{"prompt": [1], "stop": ' + b"[" * 500 + b"]" * 500 + b"}", {}, 400,
+         "the body is nested more than 64 deep (in stop)"),
         ("POST", c, b"\xef\xbb\xbf" + json.dumps(PLAIN).encode(), {}, 200, ""),  # a BOM, as Python reads JSON
         ("POST", c, json.dumps(PLAIN).encode(), {"Content-Type": "text/plain"}, 200, ""),
         ("POST", c, b'{"prompt": "' + b"a" * (17 * 1024 * 1024) + b'"}', {}, 413, "at most 16777216 bytes"),
@@ -136,6 +174,8 @@ def cases(vocab: int) -> list[tuple]:
         ("POST", c, {**PLAIN, "prompt": [1.0]}, {}, 400, "prompt must be"),
         ("POST", "/inference/v1/generate", {"token_ids": [vocab]}, {}, 400, "prompt token ids must be in"),
         ("POST", c, {**PLAIN, "prompt": list(range(1, 20)) * 60}, {}, 400, f"maximum context length is {MAX_LEN}"),
+        ("POST", "/detokenize", {"tokens": [1] * MAX_LEN}, {}, 200, ""),
+        ("POST", "/detokenize", {"tokens": [1] * (MAX_LEN + 1)}, {}, 400, f"tokens: at most {MAX_LEN}"),
         # unauthenticated and wrongly authenticated admin calls
         ("POST", "/pause", {}, {}, 401, "/pause needs the admin token"),
         ("POST", "/resume", {}, {}, 401, "/resume needs the admin token"),
@@ -301,6 +341,61 @@ def test_each_request_leaves_one_log_line(served):
                   "finish_reason=length", "client=127.0.0.1", "status=200"):
         assert field in ok, (field, ok)
     assert re.search(r"duration_s=\d", ok) and "status=400" in bad
+
+
+def test_a_stream_whose_client_leaves_before_its_answer_is_logged_499_not_a_server_error(served):
+    """Streams posted on a raw socket that closes at once: each is logged (and counted) as the client leaving,
+    499, with no traceback; before, writing the stream's 200 to the closed connection was a 500 and a traceback."""
+    url, _, log = served
+    port = int(url.rsplit(":", 1)[1])
+    routes = {"/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 50},
+              "/v1/chat/completions": chat(max_tokens=50), "/v1/responses": {"input": "hi", "max_output_tokens": 50}}
+    size = log.stat().st_size
+    for path, body in routes.items():
+        for _ in range(3):
+            data = json.dumps({**body, "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    deadline = time.monotonic() + 10
+    while True:
+        text = log.read_text()[size:]
+        lines = [line for line in text.splitlines() if "route=" in line and "route=/v1/" in line]
+        if len(lines) >= 9 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(lines) == 9, text
+    assert all("status=499" in line for line in lines), lines
+    assert "request failed" not in text and "Traceback" not in text, text
+    asyncio.run(plain_session(url))
+
+
+async def plain_session(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        await plain_works(session, url)
+
+
+def test_responses_errors_name_the_responses_fields(served):
+    """A Responses request is answered through a chat request; its errors name its own fields: ``input[i]...``
+    (the item, not the chat message it became: ``instructions`` come first), ``max_output_tokens``."""
+    url, _, _ = served
+    user = {"role": "user", "content": "hi"}
+    call = {"type": "function_call", "call_id": "c", "name": "f"}
+    requests = [
+        ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"input": [{"role": "bogus", "content": "a"}]}, "input[0].role"),
+        ({"instructions": "be brief", "input": [user, {**call, "arguments": "{}"}, {**call, "arguments": "[1]"}]},
+         "input[2].arguments"),
+        ({"input": [user, {"role": "assistant", "content": "ok"}, {**call, "arguments": "{x"}]}, "input[2].arguments"),
+    ]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            return [await answer(session, "POST", url + "/v1/responses", body, {}) for body, _ in requests]
+
+    for (status, body), (_, param) in zip(asyncio.run(scenario()), requests):
+        assert status == 400 and body["error"]["param"] == param, body
+        assert "messages" not in body["error"]["message"] and "max_tokens" not in body["error"]["message"], body
 
 
 # -- fuzzing the live schema -------------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ MAX_PROMPTS = 256
 """Most prompts one completions request may batch."""
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a ``logit_bias`` value."""
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")
+"""A ``logit_bias`` key: a token id in ASCII digits (``str.isdigit`` also takes "²")."""
 MAX_PENALTY = 2.0
 """OpenAI's bound on ``presence_penalty`` and ``frequency_penalty``."""
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
@@ -120,37 +122,71 @@ class ContextLengthExceeded(BadRequest):
 
 
 def parse_json_object(raw: bytes) -> dict:
-    """A request body that must be one JSON object (UTF-8, nested no deeper than Python's parser allows, every
+    """A request body that must be one JSON object (UTF-8, nested at most :data:`MAX_JSON_DEPTH` deep, every
     string valid Unicode: a lone surrogate escape such as ``"\\ud800"`` is refused, naming where it is)."""
     try:
         body = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the body is not valid JSON") from None
     except RecursionError:
-        raise BadRequest("the body is nested too deeply") from None
+        raise BadRequest(f"the body is nested more than {MAX_JSON_DEPTH} deep") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    _check_unicode(body)
+    # the walk only where it can find something: a body with fewer brackets than the depth allowed and no
+    # surrogate escape (the only way JSON spells a surrogate) needs none (a 15 MB list of token ids: 3 s of walk)
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH or SURROGATE_ESCAPE.search(raw):
+        _check_tree(body)
     return body
 
 
-def _check_unicode(body: dict) -> None:
-    """Refuse a string (key or value) holding a UTF-16 surrogate: no tokenizer or UTF-8 writer can take it."""
-    stack: list[tuple[str, Any]] = [("", body)]
+MAX_JSON_DEPTH = 64
+"""How deep a request's JSON may nest: a chat template renders tools and tool-call arguments recursively, and a
+body nested hundreds deep ran it out of Python's stack."""
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_tree(body: dict | list) -> None:
+    """Refuse JSON nested more than :data:`MAX_JSON_DEPTH` deep, or a string (key or value) holding a UTF-16
+    surrogate, which no tokenizer or UTF-8 writer can take; the refusal names where."""
+    stack: list[tuple[tuple, Any]] = [((), body)]
     while stack:
-        where, value = stack.pop()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                stack.append((f"{where}.{key}" if where else str(key), key))
-                stack.append((f"{where}.{key}" if where else str(key), item))
-        elif isinstance(value, list):
-            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
-        elif isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise BadRequest(f"{where or 'the body'} holds a lone UTF-16 surrogate: not valid Unicode",
-                                 param=where or None) from None
+        path, value = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            field = _json_path(path[:1])
+            raise BadRequest(f"the body is nested more than {MAX_JSON_DEPTH} deep (in {field})", param=field)
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(item, dict | list):
+                stack.append(((*path, key), item))
+            if isinstance(item, str) and not _encodable(item) or isinstance(key, str) and not _encodable(key):
+                where = _json_path((*path, key))
+                raise BadRequest(f"{where} holds a lone UTF-16 surrogate: not valid Unicode", param=where)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _json_path(path: tuple) -> str:
+    """``messages[0].content``: a place in a JSON body (a surrogate in a key written as its escape)."""
+    text = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path).lstrip(".")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def json_depth_within(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` (parsed JSON) nests at most ``limit`` deep."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
 
 
 UNSUPPORTED = {
@@ -443,7 +479,8 @@ class SamplingFields(RequestModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, bias):
-        if bias and not all(key.lstrip("-").isdigit() and abs(value) <= MAX_LOGIT_BIAS for key, value in bias.items()):
+        if bias and not all(TOKEN_ID_KEY.fullmatch(key) and abs(value) <= MAX_LOGIT_BIAS
+                            for key, value in bias.items()):
             raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return bias
 
@@ -655,8 +692,12 @@ class FunctionCall(RequestModel):
             value = json.loads(arguments or "{}")
         except json.JSONDecodeError:
             raise ValueError("arguments is not JSON") from None
+        except RecursionError:
+            value = None
         if not isinstance(value, dict):
             raise ValueError("arguments must encode a JSON object")
+        if not json_depth_within(value):
+            raise ValueError(f"arguments is nested more than {MAX_JSON_DEPTH} deep")
         return arguments or "{}"
 
 

@@ -10,10 +10,13 @@ engine, the sampling and the streaming text are :class:`~.openai_api.OpenAIRoute
 ``previous_response_id``. Built-in tools (web search, file search, ...) are refused by name.
 """
 
+import contextlib
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
 from aiohttp import web
@@ -102,18 +105,20 @@ class Responses:
         request = parse(ResponsesRequest, {k: v for k, v in body.items() if k in ResponsesRequest.model_fields})
         tools = _tools(request.tools)
         choice = request.tool_choice or "auto"
-        conversation = [*self._history(request.previous_response_id), *_messages(request.input)]
+        history, places = self._history(request.previous_response_id), []
+        conversation = [*history, *_messages(request.input, places)]
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        chat = parse(ChatRequest, {**{k: v for k, v in body.items() if k in SHARED}, "messages": system + conversation,
-                                   "tools": tools or None, "tool_choice": choice,
-                                   "max_completion_tokens": request.max_output_tokens})
-        offered = chat.offered_tools()
-        prompt_ids = await server.encode(server.model.render_chat(chat.template_messages(), offered),
-                                         add_special_tokens=False, param="input")
-        sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size,
-                                        end_ids(server.model, chat=True), end_ids(server.model))
+        with _named_as_input(Places(len(system), len(history), places)):
+            chat = parse(ChatRequest, {**{k: v for k, v in body.items() if k in SHARED},
+                                       "messages": system + conversation, "tools": tools or None,
+                                       "tool_choice": choice, "max_completion_tokens": request.max_output_tokens})
+            offered = chat.offered_tools()
+            prompt_ids = await server.encode(server.render_chat(chat.template_messages(), offered, param="input"),
+                                             add_special_tokens=False, param="input")
+            sampling = chat.stream_sampling(server.engine.max_len, server.engine.vocab_size,
+                                            end_ids(server.model, chat=True), end_ids(server.model))
+            (seq,) = self.routes._sequences([prompt_ids], sampling)
         instructions = request.instructions
-        (seq,) = self.routes._sequences([prompt_ids], sampling)
         response = {
             "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
             "model": server.model_name, "status": "in_progress", "error": None, "incomplete_details": None,
@@ -252,11 +257,72 @@ def _tools(tools) -> list[dict]:
                                             if t.get(k) is not None}} for t in tools]
 
 
-def _messages(items) -> list[dict]:
+@dataclass
+class Place:
+    """The ``input`` items one chat message was made of: ``item`` (None: ``input`` is a string), and the
+    ``function_call`` items of its ``tool_calls``, in order."""
+
+    item: int | None
+    calls: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Places:
+    """Where the chat messages of a Responses request came from: ``system`` messages (``instructions``), then
+    ``history`` ones (``previous_response_id``), then one :class:`Place` per message of ``input``."""
+
+    system: int
+    history: int
+    input: list[Place]
+
+    def param(self, param: str) -> str:
+        """A field of the chat request (``messages[3].tool_calls[0].function.arguments``, ``max_tokens``) as
+        the Responses request's (``input[4].arguments``, ``max_output_tokens``)."""
+        if param in ("max_tokens", "max_completion_tokens"):
+            return "max_output_tokens"
+        found = CHAT_MESSAGE.fullmatch(param)
+        if found is None:
+            return "input" if param.startswith("messages") else param
+        index, call, rest = int(found[1]), found[2], found[3]
+        if index < self.system:
+            return "instructions"
+        if index < self.system + self.history:
+            return "previous_response_id"
+        place = self.input[index - self.system - self.history]
+        if place.item is None:
+            return "input"
+        if call is not None and int(call) < len(place.calls):
+            return f"input[{place.calls[int(call)]}]" + ITEM_FIELDS.get(rest, "")
+        return f"input[{place.item}]" + ITEM_FIELDS.get(rest, rest if call is None else "")
+
+
+CHAT_MESSAGE = re.compile(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)")
+ITEM_FIELDS = {".function.arguments": ".arguments", ".function.name": ".name", ".id": ".call_id",
+               ".tool_call_id": ".call_id"}
+"""A chat message's fields as the Responses item's (a tool call's ``function.arguments`` is a ``function_call``
+item's ``arguments``...)."""
+
+
+@contextlib.contextmanager
+def _named_as_input(places: Places):
+    """A Responses request is answered through a chat request: its errors name the Responses fields."""
+    try:
+        yield
+    except BadRequest as exc:
+        if not exc.param:
+            raise
+        param = places.param(exc.param)
+        raise BadRequest(str(exc).replace(exc.param, param, 1), param=param, code=exc.code,
+                         status=exc.status) from None
+
+
+def _messages(items, places: list[Place] | None = None) -> list[dict]:
     """``input`` as chat messages: a string is one user message; items are messages (``role`` and ``content``,
     a string or ``input_text``/``output_text`` parts), ``function_call`` (joined to the assistant turn before it)
-    and ``function_call_output`` (a tool message)."""
+    and ``function_call_output`` (a tool message). ``places`` gets, per message, the items it was made of."""
+    places = [] if places is None else places
     if isinstance(items, str):
+        places.append(Place(None))
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise BadRequest("input must be a string or a non-empty list of items", param="input")
@@ -266,6 +332,7 @@ def _messages(items) -> list[dict]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(item.get("content"), where)})
+            places.append(Place(i))
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise BadRequest(f"{where}: a function_call needs call_id, name and arguments", param="input")
@@ -275,12 +342,15 @@ def _messages(items) -> list[dict]:
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
+                places.append(Place(i))
             last.setdefault("tool_calls", []).append(call)
+            places[-1].calls.append(i)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise BadRequest(f"{where}: a function_call_output needs a call_id", param="input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _content(item.get("output"), where)})
+            places.append(Place(i))
         else:
             raise BadRequest(f"{where}: items of type {kind!r} are not supported (messages, function_call and "
                              "function_call_output are)", param="input")

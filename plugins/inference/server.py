@@ -47,8 +47,8 @@ from i3core.errors import EngineFailed, I3Error, SequenceFailed
 from i3core.lifetime import ADMIN_TOKEN_ENV, API_KEY_ENV, terminate_with_run
 from i3core.manager import load_plugins
 from i3core.plugins.inference.engine import Engine, EngineBase, Request, Sequence
-from i3core.plugins.inference.observability import (CONTENT_TYPE, ServerMetrics, UnscrapedMetrics, configure_logging,
-                                                    request_log)
+from i3core.plugins.inference.observability import (CLIENT_GONE, CONTENT_TYPE, ServerMetrics, UnscrapedMetrics,
+                                                    configure_logging, request_log)
 from i3core.plugins.inference.openai_api import OpenAIRoutes
 from i3core.plugins.inference.utility_routes import UtilityRoutes
 from i3core.plugins.inference.protocol import (
@@ -119,6 +119,21 @@ class Server:
         self.metrics = (ServerMetrics if scraped else UnscrapedMetrics)(model_name, self._state)
         """Prometheus' books (:mod:`~i3core.plugins.inference.observability`); not kept per token where
         ``scraped`` is False (an engine without ``/metrics``)."""
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, param: str = "messages") -> str:
+        """The model's chat template on ``messages``. A template that refuses them (HF templates'
+        ``raise_exception``: roles that do not alternate, a system turn out of place) or cannot render them
+        (a field a message lacks) answers the client, as vLLM does; a template that does not parse is the
+        server's error.
+
+        :raises BadRequest: naming ``param``.
+        """
+        try:
+            return self.model.render_chat(messages, tools)
+        except Exception as exc:
+            if not _template_refusal(exc):
+                raise
+            raise BadRequest(f"the chat template refused the {param}: {first_line(exc)}", param=param) from None
 
     async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """``text``'s token ids (:meth:`encode_many`)."""
@@ -435,6 +450,15 @@ def builtin_server(model_dir: Path, model: Model, *, max_slots: int, max_len: in
     return Server(engine, model, served_name or str(model_dir), scraped=scraped)
 
 
+def _template_refusal(exc: Exception) -> bool:
+    """Whether a chat template's error is about what it was given (jinja's errors at render time)."""
+    try:
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    except ImportError:  # no jinja: a template in Python (tiny-moe's), whose errors are the server's
+        return False
+    return isinstance(exc, TemplateError) and not isinstance(exc, TemplateSyntaxError)
+
+
 async def _json_body(http: web.Request) -> dict:
     return parse_json_object(await http.read())
 
@@ -459,6 +483,8 @@ async def _errors(request: web.Request, handler):
         elif exc.status == 413:
             message = f"{exc.reason}: the body may hold at most {MAX_BODY_BYTES} bytes"
         return web.json_response(error_body(message), status=exc.status)
+    except ConnectionResetError:  # a write to a client that left (before its stream's 200): nobody to answer
+        return web.Response(status=CLIENT_GONE)
     except Exception as exc:  # a bug: this request fails, the server goes on
         log.exception("request failed", method=request.method, route=request.path)
         if STREAM_END in request:

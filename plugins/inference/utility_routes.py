@@ -71,7 +71,7 @@ class UtilityRoutes:
         request = parse(TokenizeRequest, parse_json_object(await http.read()))
         if request.messages is not None:
             tools = [tool.model_dump(exclude_unset=True) for tool in request.tools or []] or None
-            text = server.model.render_chat([m.for_template() for m in request.messages], tools)
+            text = server.render_chat([m.for_template() for m in request.messages], tools)
             special = bool(request.add_special_tokens)
         else:
             text, special = request.prompt, request.add_special_tokens is not False
@@ -84,6 +84,8 @@ class UtilityRoutes:
     async def detokenize(self, http: web.Request) -> web.Response:
         server = self.server
         request = parse(DetokenizeRequest, parse_json_object(await http.read()))
+        if len(request.tokens) > server.engine.max_len:  # no sequence of this server is longer
+            raise BadRequest(f"tokens: at most {server.engine.max_len} (the server's --max-len)", param="tokens")
         tokens = prompt_token_ids(request.tokens, server.engine.vocab_size, None, param="tokens")
         return web.json_response({"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)})
 
