@@ -92,6 +92,32 @@ def test_a_colocated_trainer_runs_in_the_runs_process_and_an_interrupted_run_res
     assert [r["step"] for r in read_metrics(out)] == list(range(1, saved[-1] + 5))
 
 
+def test_ctrl_c_in_a_terminal_stops_every_process_and_the_trainer_checkpoints_its_last_step(tmp_path):
+    """A terminal's Ctrl-C is SIGINT to the whole process group: the run's process, its trainer process and its
+    servers. The run ends interrupted (130) as on a signal to its process alone: the trainer checkpoints the step
+    it finished last (before, a KeyboardInterrupt in its backward pass lost every step), no log holds a
+    traceback, and ``--resume`` goes on from the checkpoint."""
+    out = tmp_path / "run"
+    sets = ("sft.steps=2", "inference.use='builtin'")
+    args = [sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "quickstart.toml"), "--set",
+            f"run.output_dir='{out}'", *[a for s in (*sets, "run.max_steps=400") for a in ("--set", s)]]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with killed_on_failure(proc):
+        wait_for_step(proc, out, 3)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").glob("step_*"))
+    assert saved and 3 <= saved[-1] < 400, saved
+    for log in (out / "logs").glob("*.log"):
+        assert "Traceback" not in log.read_text(), log
+    proc = start_run(out, *sets, f"run.max_steps={saved[-1] + 2}", resume=True)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, saved[-1] + 3))
+
+
 def test_weights_in_memory_reach_the_engine_and_a_resumed_run_starts_from_its_checkpoints_version(tmp_path):
     """``[weight_sync] use = "memory"`` beside a colocated trainer: no version after 0 goes to disk, every step's
     version is the engine's when its metrics are written, and the engine samples with exactly the trainer's

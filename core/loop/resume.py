@@ -97,8 +97,11 @@ def start_step(out: Path, required: bool) -> int | None:
     root = out / "checkpoints"
     steps = checkpoint.complete_steps(root)
     if not steps and required:
-        raise I3Error(f"nothing to resume: no complete checkpoint under {root} "
-                      "(run without --resume to start; set trainer.checkpoint_every to write them)")
+        metrics = out / "metrics.jsonl"
+        start = "start over in another run.output_dir, or delete that directory" if metrics.exists() and \
+            metrics.stat().st_size else "run without --resume to start"  # a plain run would refuse those steps
+        raise I3Error(f"nothing to resume: no complete checkpoint under {root} ({start}; set "
+                      "trainer.checkpoint_every to write them)")
     damaged = []
     for step in reversed(steps):
         why = checkpoint.damage(root, step)

@@ -191,6 +191,8 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     (run.output_dir / "logs").mkdir(exist_ok=True)
     mark_run()  # the trainer and the servers stop by themselves if this process is killed
     trainer_log = open(run.output_dir / "logs" / "trainer.log", "ab")
+    trainer_log.write(f"{TRAINER_STARTED} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    trainer_log.flush()
     version = 0 if start is None else start.step
     trainer_args = [str(run.output_dir / "config.resolved.json"),
                     *([] if start is None else ["--resume", str(start.step)])]
@@ -357,6 +359,10 @@ def _wait_for_first_version(trainer: subprocess.Popen, sync, paths: RunPaths, ou
         time.sleep(0.1)
 
 
+TRAINER_STARTED = "--- i3core run started the trainer:"
+"""The line the run writes in logs/trainer.log before each trainer it starts (the log is kept across attempts)."""
+
+
 def trainer_failure(returncode: int, out: Path, when: str = "") -> I3Error:
     """The trainer's own one-line error (its last ``error: ...`` line in logs/trainer.log, e.g. a model that
     refuses this machine), or where to look."""
@@ -365,6 +371,8 @@ def trainer_failure(returncode: int, out: Path, when: str = "") -> I3Error:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         lines = []
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRAINER_STARTED)]
+    lines = lines[starts[-1] + 1:] if starts else lines  # this trainer's lines, not an earlier attempt's error
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
     if errors:
         return I3Error(errors[-1])

@@ -62,6 +62,8 @@ from i3core.loop.perf import SavedActivations, matmul_peak_flops
 from i3core.types import LossInputs, TrainBatch
 
 SIGTERM_EXIT = 128 + signal.SIGTERM
+STOP_EXITS = {"SIGTERM": SIGTERM_EXIT, "SIGINT": 128 + signal.SIGINT}
+"""The trainer's exit code when it stopped on a signal, checkpointed (else a restart's)."""
 """The trainer stopped on SIGTERM after checkpointing its last step (the scheduler requeues the job)."""
 STOCHASTIC_ATTRS = re.compile(r"dropout|drop_?prob|pdrop|layerdrop|jitter", re.IGNORECASE)
 """Float attributes of a module that make training random (transformers' ``attention_dropout``, OPT's ``dropout``
@@ -363,7 +365,8 @@ class Trainer:
         started = time.perf_counter()
         for step in range(1, cfg.steps + 1):
             if not self._all_ok(self.stopping is None):
-                raise Stopped(f"{self.stopping} during the SFT warm start: nothing to checkpoint yet", SIGTERM_EXIT)
+                raise Stopped(f"{self.stopping} during the SFT warm start: nothing to checkpoint yet",
+                              STOP_EXITS.get(self.stopping, SIGTERM_EXIT))
             samples = []
             for prompt, answer in rng.sample(demonstrations, min(cfg.batch_size, len(demonstrations))):
                 n = len(prompt) + len(answer)
@@ -425,6 +428,14 @@ class Trainer:
     def on_sigterm(self, signum, frame) -> None:
         """A scheduler's notice (time limit, preemption): stop after the step in progress, checkpointed."""
         self.stopping = "SIGTERM"
+
+    def on_sigint(self, signum, frame) -> None:
+        """Ctrl-C, which a terminal sends to every process of ``i3core run``'s group, this one too: stop after the
+        step in progress, checkpointed, as the run asks of it (before, the KeyboardInterrupt landed in a backward
+        pass and the run's steps were lost). A second Ctrl-C interrupts at once."""
+        if self.stopping == "SIGINT":
+            raise KeyboardInterrupt
+        self.stopping = "SIGINT"
 
     def train_step(self, batch: TrainBatch, loss_fn, optimizer, version: int,
                    streamed: StepSums | None = None) -> dict[str, float]:
@@ -752,6 +763,7 @@ def main(argv=None, config: RunConfig | None = None, output=None, doorbell=None)
         trainer = Trainer(config, resume_step=step, rewind=args.resume is not None, output=output, doorbell=doorbell)
         if threading.current_thread() is threading.main_thread():  # colocated: the run's process handles signals
             signal.signal(signal.SIGTERM, trainer.on_sigterm)
+            signal.signal(signal.SIGINT, trainer.on_sigint)
         trainer.run()
         if dist.is_initialized():  # every rank done (rank 0 renames the last checkpoint) before any tears down
             dist.barrier()
@@ -759,7 +771,7 @@ def main(argv=None, config: RunConfig | None = None, output=None, doorbell=None)
             last = checkpoint.latest(trainer.paths.checkpoints)
             kept = f"checkpoint step_{last} written" if last is not None else "no checkpoint yet"
             raise Stopped(f"stopped on {trainer.stopping}: {kept}; continue with --resume",
-                          SIGTERM_EXIT if trainer.stopping == "SIGTERM" else resume.RESTART_EXIT)
+                          STOP_EXITS.get(trainer.stopping, resume.RESTART_EXIT))
         return 0
     except I3Error as exc:
         print(f"error: {exc}", file=output or sys.stderr, flush=True)
