@@ -12,7 +12,9 @@ there is no module-level manager. Loading order:
    every component knows the distribution that provided it.
 """
 
+import contextlib
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +90,7 @@ class Plugins:
         caller = getattr(self.pm.hook, hook)
         try:
             return caller(**kwargs)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in a hook ended runs with no line, exit 0
             plugin = _raised_in(caller, exc)
             if plugin is None:  # pluggy's own error (a hook called with a wrong argument): the core's bug
                 raise
@@ -200,8 +202,9 @@ def load_plugins(
             plugins.blocked.append(ep.name)
             continue
         try:
-            module = ep.load()
-        except Exception as exc:  # a broken third-party plugin must not take the CLI down
+            with contextlib.redirect_stdout(sys.stderr):  # a print at import would corrupt `plugins --json`
+                module = ep.load()
+        except (Exception, SystemExit) as exc:  # a broken third-party plugin must not take the CLI down
             failure = LoadFailure(ep.name, dist_name, dist_version, f"{type(exc).__name__}: {_first_line(exc)}")
             plugins.failures.append(failure)
             log.warning("plugin failed to load", plugin=ep.name, distribution=dist_name, error=failure.error)

@@ -157,6 +157,41 @@ def test_a_damaged_newest_checkpoint_is_named_skipped_with_a_warning_and_set_asi
         resume.start_step(tmp_path, required=False)  # not a start over on top of the run
 
 
+@pytest.mark.parametrize("written", [bytes(range(7, 107)), "a dict without the trainer's state"])
+def test_a_trainer_state_that_is_garbage_or_not_the_trainers_is_damage_not_an_internal_error(tmp_path, written):
+    """trainer.pt of random bytes (pickle's UnpicklingError, which is not a ValueError) or a loadable file holding
+    something else: the checkpoint is damaged, named in one line, and the resume falls back to the one before."""
+    from i3core.loop import resume
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        _fake_checkpoint(root, step)
+    state = root / "step_4" / checkpoint.TRAINER
+    if isinstance(written, bytes):
+        state.write_bytes(written)
+    else:
+        torch.save({"x": 1}, state)
+    assert checkpoint.damage(root, 4).startswith(f"checkpoint file {state} ")
+    assert resume.start_step(tmp_path, required=True) == 2
+
+
+def test_metrics_that_are_garbage_or_a_directory_are_one_line_not_an_internal_error(tmp_path):
+    """A resume keeps metrics.jsonl's rows up to its step: binary garbage lines are dropped as lines that are not
+    rows; a directory there is one line. ``i3core plot`` reads the same file the same way."""
+    from i3core.loop.plot import read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(b'{"step": 1, "loss": 0.5}\n\x9a\xff garbage\n{"step": 2}\n')
+    assert checkpoint.truncate_metrics(metrics, 1) == [2]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1]
+    metrics.unlink()
+    metrics.mkdir()
+    with pytest.raises(checkpoint.I3Error, match="metrics.jsonl is not a file"):
+        checkpoint.truncate_metrics(metrics, 1)
+    with pytest.raises(checkpoint.I3Error, match="metrics.jsonl is not a file"):
+        read_metrics(tmp_path)
+
+
 @pytest.mark.parametrize("garbage", ["not json", "[1, 2]", '{"run": 5}', b"\xff\xfe"])
 def test_a_garbage_config_resolved_json_on_resume_is_one_line_naming_it(tmp_path, garbage, builtins):
     from i3core.config import validate
@@ -262,6 +297,14 @@ def test_resume_without_a_checkpoint_and_a_fresh_run_over_an_old_one_are_one_lin
     assert stderr.strip().splitlines()[-1] == (f"error: nothing to resume: no complete checkpoint under "
                                               f"{out / 'checkpoints'} (run without --resume to start; set "
                                               "trainer.checkpoint_every to write them)")
+    steps_only = tmp_path / "steps-only"  # a run killed before its first checkpoint: a plain run refuses its steps
+    steps_only.mkdir()
+    (steps_only / "metrics.jsonl").write_text('{"step": 1}\n')
+    nothing = start_run(steps_only, "run.max_steps=2", resume=True)
+    _, stderr = nothing.communicate(timeout=120)
+    assert nothing.returncode == 1 and stderr.strip().splitlines()[-1] == (
+        f"error: nothing to resume: no complete checkpoint under {steps_only / 'checkpoints'} (start over in "
+        "another run.output_dir, or delete that directory; set trainer.checkpoint_every to write them)")
     first = start_run(out, "run.max_steps=2", "sft.steps=2")
     _, stderr = first.communicate(timeout=400)
     assert first.returncode == 0, stderr[-2000:]

@@ -115,6 +115,21 @@ def test_a_plugin_that_raises_in_an_event_hook_is_named_with_the_hook(builtins):
         builtins.call("i3_on_step_end", step=2)
 
 
+def test_a_plugin_that_calls_sys_exit_in_an_event_hook_is_named_as_one_that_raised(builtins):
+    """``sys.exit(0)`` in a hook ended a run at once, exit 0 and no line, its steps unfinished: it is a failure
+    of that plugin, named with the hook, as any exception is."""
+    from i3core.errors import HookFailed
+
+    class Quits:
+        @hookimpl
+        def i3_on_step_end(self, step):
+            raise SystemExit(0)
+
+    builtins.register(Quits(), name="quitter")
+    with pytest.raises(HookFailed, match=r"plugin 'quitter' .* failed in i3_on_step_end: SystemExit: 0"):
+        end_step(builtins, [], 2, {})
+
+
 @pytest.mark.parametrize("fails_in", ["i3_on_run_start", None])
 def test_a_plugin_that_raises_in_i3_on_run_end_after_a_completed_run_says_the_run_completed(builtins, tmp_path,
                                                                                             fails_in):

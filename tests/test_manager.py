@@ -107,6 +107,19 @@ def test_broken_unreferenced_plugin_is_a_warning(site, builtins):
     assert plugins.registry.get("loss", "a-loss") is not None
 
 
+def test_a_plugin_that_exits_or_prints_at_import_is_a_warning_and_keeps_stdout_clean(site, capsys):
+    """``sys.exit()`` at import was the whole CLI's exit (0, no line: nothing run); a print at import went to
+    stdout, ahead of ``i3core plugins --json``'s JSON. The first is a failed plugin, the second goes to stderr."""
+    install_dist(site, "i3-plugin-exits", "plug_exits", "import sys\nsys.exit(0)\n")
+    install_dist(site, "i3-plugin-talks", "plug_talks", "print('hello from plugin import')\n"
+                 + LOSS_PLUGIN.format(cls="A", component="a-loss"))
+    plugins = load_plugins(entry_points=entry_points(site))
+    assert [(f.plugin, f.error) for f in plugins.failures] == [("i3-plugin-exits", "SystemExit: 0")]
+    assert plugins.registry.get("loss", "a-loss") is not None
+    captured = capsys.readouterr()
+    assert "hello from plugin import" not in captured.out and "hello from plugin import" in captured.err
+
+
 def test_broken_plugin_is_named_when_the_config_needs_it(site):
     install_dist(site, "i3-plugin-broken", "plug_broken", "raise RuntimeError('boom at import')\n")
     plugins = load_plugins(entry_points=entry_points(site))

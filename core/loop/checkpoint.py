@@ -27,6 +27,7 @@ holds the files.
 
 import json
 import os
+import pickle
 import re
 import shutil
 import zipfile
@@ -95,7 +96,7 @@ def read_torch(path: Path):
     """
     try:
         return torch.load(path, weights_only=False)
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:  # pickle's UnpicklingError is a ValueError
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
         raise _unreadable(path, exc) from None
 
 
@@ -112,7 +113,10 @@ def damage(root: Path, step: int) -> str | None:
     """
     directory = checkpoint_dir(root, step)
     try:
-        world = read_torch(directory / TRAINER)["world"]
+        state = read_torch(directory / TRAINER)
+        world = state.get("world") if isinstance(state, dict) else None
+        if not isinstance(world, int) or world < 1:
+            raise I3Error(f"checkpoint file {directory / TRAINER} holds no trainer state: it is damaged")
         for path in (directory / MODEL, *(directory / optimizer_file(rank) for rank in range(world))):
             try:
                 zipfile.ZipFile(path).close()
@@ -157,8 +161,10 @@ def truncate_metrics(path: Path, step: int) -> list[int]:
     """
     if not path.exists():
         return []
+    if not path.is_file():
+        raise I3Error(f"{path} is not a file: a run's metrics.jsonl cannot be kept up to step {step}")
     kept, unreadable = [], []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)  # garbage: not rows
     for number, line in enumerate(lines, 1):
         try:
             row_step = json.loads(line).get("step")

@@ -71,8 +71,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise I3Error(f"{path} does not exist: is {run_dir} a run directory?")
+    if not path.is_file():
+        raise I3Error(f"{path} is not a file: is {run_dir} a run directory?")
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # garbage lines are not rows
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
