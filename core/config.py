@@ -17,8 +17,9 @@ been validated, so they are reported with the other problems (see
 import json
 import math
 import re
+import stat
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -242,13 +243,27 @@ class RunConfig:
 # -- reading -----------------------------------------------------------------
 
 
+CONFIG_MAX_BYTES = 4 << 20
+"""A config is a page of TOML; a file past this is something else (a log, a dataset), read no further."""
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML file; a missing file or a syntax error is one :class:`Problem`."""
+    """Parse a TOML file; a missing file, one that is not a regular file (a FIFO, a device, a folder), one past
+    :data:`CONFIG_MAX_BYTES` or a syntax error is one :class:`Problem`."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if not stat.S_ISREG(path.stat().st_mode):  # before opening: a FIFO would block, /dev/zero never ends
+            raise ConfigError([Problem("", f"cannot read {path}: not a regular file")])
+        with path.open("rb") as file:
+            raw = file.read(CONFIG_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError([Problem("", f"cannot read {path}: {exc.strerror or exc}")]) from None
+    except ValueError:  # a NUL in the path
+        raise ConfigError([Problem("", f"cannot read {path!r}: a path holds no NUL character")]) from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise ConfigError([Problem("", f"{path} is over {CONFIG_MAX_BYTES >> 20} MiB: not a config")])
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:  # TOML is UTF-8 (a file saved as Latin-1 or UTF-16, a binary file)
         byte = exc.object[exc.start:exc.start + 1]
         problem = Problem("", f"{path} is not UTF-8 text (byte {exc.start}: {byte!r}); TOML files are UTF-8")
@@ -299,12 +314,27 @@ def load_config(
     :raises ConfigError: with every problem found.
     """
     data = apply_overrides(read_toml(path), overrides)
+    nuls = [Problem(key, "holds a NUL character (no file name or text takes one)") for key in _nul_keys(data)]
+    if nuls:
+        raise ConfigError(nuls)
     if plugins is None:
         disable = data.get("plugins", {}).get("disable", []) if isinstance(data.get("plugins"), dict) else []
         plugins = load_plugins(disable=[d for d in disable if isinstance(d, str)])
     config = validate(data, plugins)
     config.source = Path(path)
     return config, plugins
+
+
+def _nul_keys(value: Any, key: str = "") -> Iterator[str]:
+    """The dotted keys of the strings in ``value`` that hold a NUL (``"\\u0000"`` in TOML)."""
+    if isinstance(value, str) and "\0" in value:
+        yield key
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _nul_keys(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _nul_keys(item, f"{key}[{i}]")
 
 
 # -- validating --------------------------------------------------------------

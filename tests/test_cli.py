@@ -259,3 +259,147 @@ def test_the_trainer_command_reads_its_config_once(tmp_path, monkeypatch):
     config.write_text((ROOT / "examples" / "quickstart.toml").read_text())
     assert main(["trainer", str(config), "--set", f"run.output_dir='{tmp_path / 'out'}'"]) == 1
     assert reads == [config]
+
+
+# -- start-up errors found by a review with the real CLI: each one line, no traceback ------------------------------
+
+
+def one_error_line(result, code: int = 1) -> str:
+    """The only line of ``result``'s stderr, an ``error:`` line, after exit ``code``."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _saved_tiny_moe(directory):
+    from .conftest import SERVED_MODEL, make_component
+
+    model = make_component("model", "tiny-moe", **SERVED_MODEL)
+    return model.save_hf(model.build(seed=0), directory)
+
+
+def test_serve_on_a_model_dir_that_cannot_load_is_one_line_and_announces_nothing(tmp_path):
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[]")
+    line = one_error_line(run_cli("serve", str(listed), "--port", "0"))
+    assert "config.json is not a model's config: its JSON is not an object" in line
+    broken = _saved_tiny_moe(tmp_path / "negative")
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": -4}))
+    line = one_error_line(run_cli("serve", str(broken), "--port", "0"))
+    assert f"cannot serve {broken}: hidden_size: " in line and "greater than" in line
+    result = run_cli("serve", str(broken), "--port", "70000")  # argparse's usage, then its error
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith("must be at most 65535, got 70000")
+
+
+def test_serve_announces_the_port_it_listens_on_once_it_listens(tmp_path):
+    import subprocess
+    import sys
+
+    directory = _saved_tiny_moe(tmp_path / "model")
+    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "serve", str(directory), "--port", "0",
+                             "--model-option", "hidden_size=64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline().strip()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert line.startswith(f"i3core server: {directory} on http://127.0.0.1:"), (line, err)
+    assert int(line.rsplit(":", 1)[1]) > 0 and "i3core serve:" not in err
+
+
+def test_serve_hf_without_tokenizer_files_is_refused_at_start(tmp_path):
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from make_hf_model import make_hf_model
+
+    full = make_hf_model(tmp_path / "full", "qwen3", seed=0)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(full / name, bare / name)
+    line = one_error_line(run_cli("serve", str(bare), "--model", "hf", "--model-option", f'path="{bare}"',
+                                  "--port", "0"))
+    assert "the tokenizer encodes text to no tokens" in line
+
+
+def test_a_config_path_that_is_not_a_regular_file_or_too_big_is_one_problem(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.toml"
+    big.write_text("#" * (5 << 20))
+    for path, expect in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"), (big, "over 4 MiB")):
+        result = run_cli("check", str(path))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert expect in result.stderr.splitlines()[0]
+
+
+def test_a_nul_in_a_config_string_is_a_problem_naming_its_key(tmp_path):
+    path = tmp_path / "nul.toml"
+    path.write_text('[run]\nname = "a\\u0000b"\n')
+    for command in ("check", "run"):
+        result = run_cli(command, str(path), cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.splitlines()[0].startswith("error: run.name: holds a NUL")
+
+
+def test_an_os_error_from_the_users_files_is_an_error_line_not_an_internal_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    from .conftest import QUICKSTART_LOCAL
+
+    config = tmp_path / "cluster.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace(
+        QUICKSTART_LOCAL, '[inference]\nuse = "builtin"\nservers = 2\n'))
+    for args in (("new-plugin", "my-loss", "--dir", str(tmp_path / "afile" / "x")),
+                 ("launch", "--dry-run", str(config), "--out", str(tmp_path / "afile" / "y")),
+                 ("plot", str(tmp_path), "--out", str(loop / "plots")),
+                 ("new-plugin", "my-loss", "--dir", str(tmp_path / ("x" * 300)))):
+        line = one_error_line(run_cli(*args, cwd=tmp_path))
+        assert any(reason in line for reason in ("Not a directory: ", "File name too long: ",
+                                                 "Too many levels of symbolic links: ")), line
+
+
+def test_ctrl_c_while_the_cli_starts_is_interrupted_not_a_traceback():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "check", str(ROOT / "examples" / "quickstart.toml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # past the interpreter's own start, inside the imports the command needs (torch)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode in (130, -signal.SIGINT) and err.strip() == "interrupted", (proc.returncode, err)
+
+
+def test_roles_check_their_arguments_before_waiting_for_the_trainer(tmp_path):
+    """Each would otherwise print `waiting for version 0` and wait an hour for a trainer."""
+    import subprocess
+    import sys
+
+    from .conftest import QUICKSTART_LOCAL
+
+    config = tmp_path / "cluster.toml"
+    config.write_text((ROOT / "examples" / "quickstart.toml").read_text().replace(
+        QUICKSTART_LOCAL, '[inference]\nuse = "builtin"\nservers = 2\n').replace(
+        'output_dir = "runs/quickstart"', f'output_dir = "{tmp_path / "run"}"'))
+    cases = {("inference", "--index", "5"): "error: --index 5 is not a server of this run: [inference] servers = 2",
+             ("inference", "--index", "-1"): "argument --index: must be at least 0, got -1",
+             ("inference", "--port", "99999"): "argument --port: must be at most 65535, got 99999",
+             ("orchestrator", "--servers", "notaurl"): "error: --servers 'notaurl' is not a server URL",
+             ("orchestrator", "--servers", "http://h:99999"): "error: --servers 'http://h:99999' is not a server URL"}
+    for (role, *args), expect in cases.items():
+        result = subprocess.run([sys.executable, "-m", "i3core.cli", role, str(config), *args], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode in (1, 2) and "waiting for version 0" not in result.stdout + result.stderr
+        assert expect in result.stderr.splitlines()[-1], result.stderr

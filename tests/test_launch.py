@@ -217,3 +217,25 @@ def test_launch_refuses_what_it_cannot_do_in_one_line(tmp_path, cluster):
         '(use "filesystem")']
     bad = run_cli("launch", "--dry-run", str(ROOT / "tests" / "bad_configs" / "unknown_keys.toml"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_launch_refuses_options_the_job_files_cannot_carry_in_one_line(tmp_path, cluster):
+    """A newline would end sbatch's header and run the rest as a command; a partition with a `;`, a --time in
+    no Slurm format, a namespace that is no DNS label: each refused (exit 2) before anything is written."""
+    out = tmp_path / "out"
+    result = run_cli("launch", "--dry-run", cluster, "--out", str(out), "--account", "a\nb",
+                     "--partition", "a b;touch /tmp/pwned")
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: --account 'a\\nb' holds a control character (a newline would end its line)"]
+    result = run_cli("launch", "--dry-run", cluster, "--out", str(out), "--partition", "a b;touch /tmp/pwned",
+                     "--time", "abc", "--namespace", "Foo", "--image", "")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    for flag in ("--partition 'a b;touch /tmp/pwned'", "--time 'abc'", "--namespace 'Foo'", "--image ''"):
+        assert flag in result.stderr
+    assert not out.exists()
+    for flag, value in (("--inference-port", "70000"), ("--rdzv-port", "0"), ("--trainer-nodes", "9" * 20)):
+        result = run_cli("launch", "--dry-run", cluster, flag, value)
+        assert result.returncode == 2 and f"argument {flag}: must be at" in result.stderr.splitlines()[-1]
+    for time in ("90", "90:30", "2:00:00", "2-0", "2-00:00", "2-00:00:00"):
+        result = run_cli("launch", "--dry-run", cluster, "--time", time, "--partition", "gpu,gpu-big")
+        assert result.returncode == 0 and f"#SBATCH --time={time}\n" in result.stdout, result.stderr

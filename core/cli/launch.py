@@ -30,6 +30,22 @@ K8S_ORDER = ("config", "trainer", "inference", "orchestrator")
 K8S_RUNS = "/runs"
 """Where every pod mounts the shared volume; the run's output_dir goes under it."""
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+"""A newline in a value would end an ``#SBATCH`` line and run the rest as a command (and break a YAML line)."""
+_SLURM_NAME = re.compile(r"[\w.-]+(,[\w.-]+)*")
+"""A partition (or a comma-separated list of them) or an account, as Slurm names them."""
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
+"""sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+days-hours:minutes:seconds."""
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+"""A Kubernetes namespace: a DNS-1123 label."""
+_IMAGE = re.compile(r"[\w][\w.:/@+-]*")
+"""A container image reference (registry/name:tag@digest)."""
+_QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|k)?")
+"""A Kubernetes storage quantity (100Gi)."""
+_SHELL_UNSAFE = re.compile(r"[\s\"'$`\\#]")
+"""What a path cannot hold in the job script: it goes into ``#SBATCH --chdir=`` and ``--output=`` (where
+sbatch splits at blanks and quotes, and ``#`` starts a comment) and between the shell's double quotes."""
 
 
 SUBMIT_TIMEOUT_S = 60.0
@@ -88,6 +104,9 @@ def launch_files(config: RunConfig, config_path: Path, target: str, sizes: Sizes
     problems = _unlaunchable(config)
     if problems:
         raise I3Error("cannot launch the roles separately: " + "; ".join(problems))
+    problems = _bad_options(sizes, target)
+    if problems:
+        raise BadOption("; ".join(problems))
     folder, suffix = TARGETS[target]
     root = (templates or default_templates()) / folder
     paths = sorted(root.glob(f"*{suffix}"))
@@ -112,6 +131,40 @@ def _unlaunchable(config: RunConfig) -> list[str]:
     return problems
 
 
+def _bad_options(sizes: Sizes, target: str) -> list[str]:
+    """What is wrong with the options the files are rendered with, each as the flag and the reason."""
+    problems = [f"--{name.replace('_', '-')} {value!r} holds a control character (a newline would end its line)"
+                for name, value in vars(sizes).items() if isinstance(value, str) and _CONTROL.search(value)]
+    problems += [f"--sbatch {value!r} holds a control character" for value in sizes.sbatch if _CONTROL.search(value)]
+    if problems:
+        return problems
+    formats = {"partition": (_SLURM_NAME, "a Slurm partition name (letters, digits, _ . -; several joined by ,)"),
+               "cpu_partition": (_SLURM_NAME, "a Slurm partition name (letters, digits, _ . -; several joined by ,)"),
+               "account": (_SLURM_NAME, "a Slurm account name (letters, digits, _ . -)"),
+               "time": (_SLURM_TIME, "a Slurm time limit: minutes, minutes:seconds, hours:minutes:seconds, "
+                                     "days-hours, days-hours:minutes or days-hours:minutes:seconds"),
+               "image": (_IMAGE, "a container image (registry/name:tag)"),
+               "namespace": (_DNS_LABEL, "a Kubernetes namespace: a DNS-1123 label (lowercase letters, digits "
+                                         "and -, at most 63, starting and ending with a letter or digit)"),
+               "storage": (_QUANTITY, "a Kubernetes quantity (e.g. 100Gi)")}
+    for name, (pattern, what) in formats.items():
+        value = getattr(sizes, name)
+        if value is not None and not pattern.fullmatch(value):
+            problems.append(f"--{name.replace('_', '-')} {value!r} is not {what}")
+    return problems
+
+
+def _slurm_path(what: str, path: Path) -> Path:
+    """``path``, which the job script holds in ``#SBATCH`` lines and between double quotes.
+
+    :raises BadOption: a character it cannot hold there (a blank, a quote, ``$``, a backslash, ``#``)."""
+    if (bad := _SHELL_UNSAFE.search(str(path))) or _CONTROL.search(str(path)):
+        char = bad.group() if bad else "a control character"
+        raise BadOption(f"the job script cannot hold the {what} {str(path)!r} (it has {char!r}): use a path "
+                        "of letters, digits and / . _ - only")
+    return path
+
+
 def _values(config: RunConfig, config_path: Path, target: str, sizes: Sizes) -> dict[str, object]:
     name = re.sub(r"[^a-z0-9-]+", "-", config.run.name.lower()).strip("-") or "run"
     inference_nodes = sizes.inference_nodes or config.option("inference", "servers", 1)
@@ -130,6 +183,9 @@ def _values(config: RunConfig, config_path: Path, target: str, sizes: Sizes) -> 
         "output_dir": config.run.out.resolve(),
         "workdir": Path.cwd(),
     }
+    if target == "slurm":
+        for what, key in (("config path", "config"), ("output_dir", "output_dir"), ("working directory", "workdir")):
+            _slurm_path(what, values[key])
     if target == "k8s":
         data = config.to_dict()
         data["run"]["output_dir"] = f"{K8S_RUNS}/{name}"
@@ -187,6 +243,12 @@ def submit(files: dict[str, str], out: Path) -> tuple[str, Path]:
         raise I3Error(f"sbatch refused {script}: {message}")
     job = result.stdout.strip().split(";")[0]  # --parsable: JOBID[;CLUSTER]
     return job, out / "logs" / f"slurm-{job}.out"
+
+
+class BadOption(I3Error):
+    """An option of ``i3core launch`` the job files cannot carry (a usage error: exit 2)."""
+
+    exit_code = 2
 
 
 class NoScheduler(I3Error):

@@ -13,14 +13,13 @@ from pathlib import Path
 
 from i3core import __version__
 from i3core.errors import ConfigError, HookFailed, I3Error
-from i3core.files import disk_full
 
 DEBUG_ENV = "I3CORE_DEBUG"
 """Set to 1 to let unexpected exceptions show their traceback."""
 
 
-def _whole_number(minimum: int):
-    """An argparse type: a whole number of at least ``minimum``."""
+def _whole_number(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number of at least ``minimum`` (and at most ``maximum``)."""
 
     def parse(text: str) -> int:
         try:
@@ -29,6 +28,8 @@ def _whole_number(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     return parse
@@ -36,6 +37,14 @@ def _whole_number(minimum: int):
 
 positive_int = _whole_number(1)
 non_negative_int = _whole_number(0)
+MAX_PORT = 65535
+"""TCP ports are 16 bits."""
+port_number = _whole_number(1, MAX_PORT)
+listen_port = _whole_number(0, MAX_PORT)
+"""A port to listen on; 0: any free one."""
+MAX_NODES = 1 << 20
+"""More nodes than any cluster has (Fugaku: 158,976): a larger count is a typo."""
+node_count = _whole_number(1, MAX_NODES)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -161,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     description="Wait for the trainer's version 0 in the shared output_dir, then "
                                     "become server INDEX of the [inference] rollout source.")
     _add_config_args(inference)
-    inference.add_argument("--index", type=int, default=0, help="this server's index among the run's servers")
-    inference.add_argument("--port", type=int, default=8000, help="port to listen on")
+    inference.add_argument("--index", type=non_negative_int, default=0,
+                           help="this server's index among the run's servers (0 .. [inference] servers - 1)")
+    inference.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     inference.add_argument("--host", default=None, help="address to listen on (default: [inference] host)")
     inference.add_argument("--resume", action="store_true", help="serve the version the trainer's attempt started "
                            "from (its marker in output_dir; $I3CORE_ATTEMPT names the attempt) instead of version 0")
@@ -174,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "/inference/v1/generate, and i3core's weight endpoints. See docs/serving.md.")
     serve.add_argument("model_dir", type=Path, metavar="DIR", help="the model directory (save_hf / save_pretrained)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--port", type=listen_port, default=8000, help="port to listen on (0: any free port)")
     serve.add_argument("--max-slots", type=int, default=64, help="sequences decoded together")
     serve.add_argument("--max-len", type=int, default=2048, help="longest prompt + completion, in tokens")
     serve.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -238,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--out", type=Path, default=None, help="--dry-run: folder to write the files to "
                         "(default: stdout)")
     nodes = launch.add_argument_group("node shapes")
-    nodes.add_argument("--trainer-nodes", type=positive_int, default=1, help="trainer nodes (torchrun --nnodes)")
-    nodes.add_argument("--inference-nodes", type=positive_int, default=None,
+    nodes.add_argument("--trainer-nodes", type=node_count, default=1, help="trainer nodes (torchrun --nnodes)")
+    nodes.add_argument("--inference-nodes", type=node_count, default=None,
                        help="inference nodes, one server each (default: [inference] servers)")
     nodes.add_argument("--gpus-per-node", type=non_negative_int, default=8,
                        help="GPUs per trainer/inference node; 0: CPU nodes (no GPU asked for, gloo)")
@@ -247,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trainer ranks a node (torchrun --nproc-per-node; default: --gpus-per-node, or 1 on "
                        "CPU nodes)")
     nodes.add_argument("--orchestrator-cpus", type=positive_int, default=16, help="CPUs of the orchestrator's node")
-    nodes.add_argument("--inference-port", type=positive_int, default=8000, help="port every server listens on")
-    nodes.add_argument("--rdzv-port", type=positive_int, default=29500, help="torchrun's rendezvous port")
+    nodes.add_argument("--inference-port", type=port_number, default=8000, help="port every server listens on")
+    nodes.add_argument("--rdzv-port", type=port_number, default=29500, help="torchrun's rendezvous port")
     slurm = launch.add_argument_group("Slurm")
     slurm.add_argument("--partition", default="gpu", help="partition of the trainer and inference nodes")
     slurm.add_argument("--cpu-partition", default="cpu", help="partition of the orchestrator's node")
@@ -357,8 +367,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from i3core.manager import load_plugins
     from i3core.weights import check_max_len
 
-    if not (args.model_dir / "config.json").is_file():
+    config_json = args.model_dir / "config.json"
+    if not config_json.is_file():
         raise I3Error(f"{args.model_dir} is not a model directory (no config.json)")
+    try:
+        parsed = json.loads(config_json.read_bytes())
+    except (OSError, ValueError):
+        parsed = {}  # unreadable, or not JSON at all: the server says which, naming the file
+    if not isinstance(parsed, dict):
+        raise I3Error(f"{config_json} is not a model's config: its JSON is not an object")
     check_max_len(args.model_dir, args.max_len)  # as vLLM: more than the model's positions is refused (exit 2)
     options = {}
     for item in args.model_option:
@@ -396,8 +413,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cmd.append("--no-admin")
     elif not os.environ.get(ADMIN_TOKEN_ENV):
         raise I3Error(f"--enable-admin needs a token: give --admin-token or set ${ADMIN_TOKEN_ENV}")
-    print(f"i3core serve: {args.model_dir} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    os.execv(cmd[0], cmd)
+    os.execv(cmd[0], cmd)  # the server says where it listens once it does
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -581,12 +597,16 @@ def _completion_preview(rollout, limit: int = 120) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from i3core.cli import log
-
-    log.configure(level=args.log_level)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, to stderr
+    try:  # building the parser imports parts of the core: Ctrl-C there is an interrupt too
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     try:
+        from i3core.cli import log
+
+        log.configure(level=args.log_level)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, to stderr
         return args.func(args)
     except ConfigError as exc:
         for problem in exc.problems:
@@ -605,8 +625,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if _debug():
             raise
+        from i3core.files import disk_full  # imports torch: not before the command needs it
+
         if disk_full(exc):
             print(f"error: {_full_disk_line(args, exc)}", file=sys.stderr)
+            return 1
+        if isinstance(exc, OSError):  # the user's files: a folder that cannot be written, a name too long ...
+            print(f"error: {_os_error_line(exc)}", file=sys.stderr)
             return 1
         print(f"internal error: {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
         return 1
@@ -614,6 +639,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _os_error_line(exc: OSError) -> str:
+    """What the system said and about which file(s): ``Permission denied: runs/x/logs``."""
+    names = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"{reason}: {' -> '.join(names)}" if names else reason
 
 
 def _full_disk_line(args: argparse.Namespace, exc: BaseException) -> str:

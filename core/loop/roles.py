@@ -29,6 +29,7 @@ ends the job.
 import asyncio
 import os
 import time
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -59,6 +60,17 @@ def _filesystem_sync(config: RunConfig):
     return sync
 
 
+def check_server_url(url: str) -> None:
+    """:raises I3Error: ``url`` is not a server's base URL (``http(s)://host:port``)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - a port out of range or not a number raises here
+    except ValueError as exc:
+        raise I3Error(f"--servers {url!r} is not a server URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise I3Error(f"--servers {url!r} is not a server URL: give http://host:port")
+
+
 def wait_for_version_0(sync, paths: RunPaths, timeout_s: float = VERSION_0_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not sync.is_ready(paths.broadcasts, 0):
@@ -77,6 +89,10 @@ def serve(config: RunConfig, index: int, port: int, host: str | None, resume: bo
         spec.config = spec.config.model_copy(update={"host": host})
     if not starts_servers(spec):
         raise I3Error(f"inference {spec.name!r} does not start server processes; it has no inference role")
+    servers = config.option("inference", "servers", 1)
+    if not 0 <= index < servers:  # checked before the wait for the trainer, which may be an hour
+        raise I3Error(f"--index {index} is not a server of this run: [inference] servers = {servers} "
+                      f"(indices 0 to {servers - 1})")
     source = spec.build()
     sync = _filesystem_sync(config)
     paths = RunPaths(config.run.out)
@@ -114,6 +130,8 @@ def orchestrate(config: RunConfig, plugins: Plugins, urls: list[str], resume: bo
     missing = [s for s in ("model", "inference", "env") if config.get(s) is None]
     if missing:
         raise I3Error("the orchestrator role needs " + ", ".join(f"[{s}]" for s in missing))
+    for url in urls:  # before the wait for the trainer, which may be an hour
+        check_server_url(url)
     sync = _filesystem_sync(config)
     spec = config.get("inference")
     if not starts_servers(spec):

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pydantic
 import structlog
 import torch
 from aiohttp import web
@@ -580,9 +581,11 @@ DRAIN_S = 1.0
 """After the engine broke or the grace ran out: time for the handlers to write their 5xx before the exit."""
 
 
-async def serve(app: web.Application, server: Server, host: str, port: int, announce: str,
+async def serve(app: web.Application, server: Server, host: str, port: int,
                 grace_s: float = SHUTDOWN_GRACE_S) -> int:
     """Serve ``app`` until SIGTERM/SIGINT (exit status 0) or until the engine breaks (1).
+
+    Once it listens it says so on stdout, with the port it bound (``port`` 0: a free one the system chose).
 
     On a signal: stop accepting connections, refuse new requests (503), let requests in flight finish for
     ``grace_s``, answer what is left 503, close. When the engine breaks every waiting request has already had
@@ -595,7 +598,8 @@ async def serve(app: web.Application, server: Server, host: str, port: int, anno
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    print(announce, flush=True)
+    bound = runner.addresses[0][1]
+    print(f"i3core server: {server.model_name} on http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -656,11 +660,15 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     try:
         server, receiver = _build(args)
+    except KeyboardInterrupt:  # Ctrl-C while the weights load (`i3core serve` in a terminal)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except I3Error as exc:  # one line in the server's log; the source reports the exit
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
-    except (OSError, ValueError) as exc:  # a config.json or a weights file that cannot be read
-        print(f"error: cannot serve {args.model_dir}: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:  # a config.json or weights file
+        # that cannot be read, or whose JSON is not what the model component expects (a list, a missing key)
+        print(f"error: cannot serve {args.model_dir}: {_load_failure(exc)}", file=sys.stderr)
         sys.exit(1)
     server.weight_roots = args.weights_root or [args.model_dir.resolve().parent]
     admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
@@ -668,12 +676,24 @@ def main(argv=None) -> None:
         log.warning("the admin routes are open to whoever reaches this port", hint=f"set ${ADMIN_TOKEN_ENV}")
     app = make_app(server, receiver, admin=not args.no_admin, admin_token=admin_token,
                    api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
-    announce = f"i3core server: {server.model_name} on http://{args.host}:{args.port}"
     try:
-        sys.exit(asyncio.run(serve(app, server, args.host, args.port, announce, args.shutdown_grace_s)))
+        sys.exit(asyncio.run(serve(app, server, args.host, args.port, args.shutdown_grace_s)))
+    except KeyboardInterrupt:  # before serve() took SIGINT over
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except (OSError, OverflowError) as exc:  # the address cannot be bound (in use, not this host's, no such port)
         print(f"error: cannot listen on {args.host}:{args.port}: {first_line(exc)}", file=sys.stderr)
         sys.exit(1)
+
+
+def _load_failure(exc: Exception) -> str:
+    """Why a model directory could not be loaded, in one line: a pydantic error's first problem with its field
+    (``hidden_size: Input should be greater than 0``), else the exception's type and first line."""
+    if isinstance(exc, pydantic.ValidationError):
+        error, more = exc.errors()[0], exc.error_count() - 1
+        field = ".".join(str(part) for part in error["loc"]) or "config"
+        return f"{field}: {error['msg']}" + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _build(args: argparse.Namespace) -> tuple[Server, object]:

@@ -564,10 +564,14 @@ class HF:
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.config.path, trust_remote_code=self.config.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(self.config.path, trust_remote_code=self.config.trust_remote_code)
         except (ValueError, OSError, TypeError) as exc:
             raise I3Error(f"model hf: {self.config.path}: no tokenizer transformers can load "
                           f"({_first_line(exc)})") from None
+        if not tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False):  # transformers builds an empty one
+            raise I3Error(f"model hf: {self.config.path}: the tokenizer encodes text to no tokens (no tokenizer "
+                          "files there: tokenizer.json, or tokenizer_config.json with its vocabulary)")
+        return tokenizer
 
     @functools.cached_property
     def _generation_eos(self) -> list[int]:
@@ -630,6 +634,11 @@ class HF:
         if tok.eos_token_id is not None:
             ids.append(tok.eos_token_id)
         return list(dict.fromkeys(ids))
+
+
+TOKENIZER_PROBE = "hello"
+"""Text any real tokenizer encodes to at least one token: one from a directory without tokenizer files (which
+transformers loads without a complaint) encodes it to none, and every prompt with it."""
 
 
 def _first_line(exc: BaseException) -> str:
