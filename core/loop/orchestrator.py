@@ -36,6 +36,7 @@ import asyncio
 import itertools
 import json
 import math
+import numbers
 import random
 import time
 from collections import Counter, deque
@@ -70,13 +71,20 @@ PROBE_MAX_S = 8.0
 ALL_DOWN_TIMEOUT_S = 300.0
 """With every server down this long (none re-admitted), the run fails instead of waiting forever."""
 FAILED_IN_A_ROW = 1000
-"""Rollouts failed (or refused by their server) one after another, none scored between them, after which the run
-fails with the last one's error: nothing can train (a prompt longer than the engine's context, weights gone NaN,
-an env that always raises), and going on would only burn the dataset and fill the log."""
+"""Rollouts failed (or refused by their server) or masked one after another, none kept for training between them,
+after which the run fails saying why (the last error, the mask reasons): nothing can train (a prompt longer than the
+engine's context, weights gone NaN, an env that always raises or always scores NaN), and going on would only burn the
+dataset and fill the log. Legitimate masking (a truncated completion, a dead sandbox) comes between trained ones."""
+FAILED = "failed"
+"""What :meth:`Orchestrator._untrained` counts a failed rollout as (beside the mask reasons)."""
 FILTERED = "group_filtered"
 """Masked reason of the rollouts of a group that an ``i3_on_group_scored`` plugin dropped."""
 NONFINITE_REWARD = "nonfinite_reward"
-"""Masked reason of a rollout whose reward is NaN or infinite (from the env or a reshaping plugin)."""
+"""Masked reason of a rollout whose reward is NaN, infinite or beyond :data:`REWARD_LIMIT` (from the env or a
+reshaping plugin)."""
+REWARD_LIMIT = 1.7e38
+"""Half float32's largest number: any advantage ``R - mean(R)`` of rewards within it fits the batch's float32 (a
+reward beyond it, 1e200, is finite in Python and infinite there)."""
 NONFINITE_LOGPROB = "nonfinite_logprob"
 """Masked reason of a rollout with a NaN or infinite logprob on a model token (from the server)."""
 NO_MODEL_TOKENS = "no_model_tokens"
@@ -216,8 +224,12 @@ class Orchestrator:
         self._ready_at: dict[int, tuple[int, int]] = {}
         """Per finished group in ``_ready`` (by ``id(group)``): its stream position and the oldest policy version
         of its tokens (what :meth:`_cut_batch` checks for staleness at every try, counted once)."""
-        self._failed_in_a_row = 0
-        """Rollouts failed since the last one that came back (:data:`FAILED_IN_A_ROW`)."""
+        self._untrained_in_a_row: Counter = Counter()
+        """Rollouts neither trained nor in flight since the last one kept for training, by mask reason or
+        :data:`FAILED` (:data:`FAILED_IN_A_ROW`)."""
+        self._last_failure = ""
+        self._dropped_metrics: set[str] = set()
+        """Rollout metrics dropped as not numbers (each warned about once)."""
         self._wake = asyncio.Event()
         self._cut = asyncio.Event()
         """Set whenever a batch is cut (``self.step`` moved on)."""
@@ -341,26 +353,20 @@ class Orchestrator:
             job.slot.assigned -= 1
             group = job.group
             group.outstanding -= 1
-            if task.cancelled():  # not by the pool (the env cancelled itself): counted as failed
-                self.ledger.failed += 1
-                self._log_unscored(group.example, rollout_log.FAILED, "cancelled")
-                log.warning("rollout cancelled", example=group.example.id)
+            if task.cancelled():  # the orchestrator's own cancels re-queue (above): the env cancelled itself
+                self._fail(group.example, "cancelled by the env")
             elif isinstance(error, RolloutMasked):
                 self.ledger.mask(error.reason)
                 self._log_unscored(group.example, rollout_log.MASKED.format(reason=error.reason), error.detail)
                 log.info("rollout masked", example=group.example.id, reason=error.reason, detail=error.detail)
+                self._untrained(error.reason)
             elif isinstance(error, Exception):  # the env failed on this rollout: counted, the run goes on
-                self.ledger.failed += 1
-                self._log_unscored(group.example, rollout_log.FAILED, f"{type(error).__name__}: {error}")
-                log.warning("rollout failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
-                self._failed_in_a_row += 1
-                if self._failed_in_a_row >= FAILED_IN_A_ROW:
-                    raise I3Error(f"{self._failed_in_a_row} rollouts in a row failed, none succeeded between them; "
-                                  f"the last: {type(error).__name__}: {error}") from None
+                self._fail(group.example, f"{type(error).__name__}: {error}")
             elif error is not None:
                 raise error
+            elif (problem := self._malformed(task.result())) is not None:  # the env's bug, this rollout's alone
+                self._fail(group.example, f"env '{self._env_label()}' returned {problem}")
             else:
-                self._failed_in_a_row = 0
                 rollout = task.result()
                 self.plugins.call("i3_on_rollout_finished", rollout=rollout)
                 group.rollouts.append(rollout)
@@ -373,10 +379,12 @@ class Orchestrator:
             if error is None:
                 self._close_group(Group(group.example, group.rollouts), group.position)
             elif isinstance(error, Exception | asyncio.CancelledError):  # counted as failed, the run goes on
+                why = f"group scoring: {type(error).__name__}: {error}"
                 self.ledger.failed += len(group.rollouts)
                 for rollout in group.rollouts:
-                    self._log(rollout, rollout_log.FAILED, error=f"group scoring: {type(error).__name__}: {error}")
+                    self._log(rollout, rollout_log.FAILED, error=why)
                 log.warning("group scoring failed", example=group.example.id, error=f"{type(error).__name__}: {error}")
+                self._untrained(FAILED, len(group.rollouts), why)
             else:
                 raise error
 
@@ -394,24 +402,104 @@ class Orchestrator:
     def _close_group(self, group: Group, position: int) -> None:
         if not group.rollouts:
             return
+        scored = list(group.rollouts)
         if not group_kept(self.plugins, group):
-            self.ledger.mask(FILTERED, len(group.rollouts))
-            for rollout in group.rollouts:
-                self._log(rollout, rollout_log.MASKED.format(reason=FILTERED))
+            self._mask_filtered(scored)
             return
+        self._mask_filtered([r for r in scored if not any(r is k for k in group.rollouts)])  # a plugin removed them
         kept = []
         for rollout in group.rollouts:  # after every plugin had its say: nothing untrainable reaches a batch
-            reason = _untrainable(rollout)
-            if reason is None:
-                kept.append(rollout)
-            else:
+            if (problem := self._malformed(rollout)) is not None:
+                self.ledger.failed += 1
+                self._log_unscored(group.example, rollout_log.FAILED, f"after group scoring: {problem}")
+                log.warning("rollout failed", example=group.example.id, error=f"after group scoring: {problem}")
+                self._untrained(FAILED, error=f"after group scoring: {problem}")
+            elif (reason := _untrainable(rollout)) is not None:
                 self.ledger.mask(reason)
                 self._log(rollout, rollout_log.MASKED.format(reason=reason))
                 log.warning("rollout masked", example=group.example.id, reason=reason)
+                self._untrained(reason)
+            else:
+                kept.append(rollout)
         group.rollouts[:] = kept
         if kept:
+            self._untrained_in_a_row.clear()
             self._ready.append(group)
             self._ready_at[id(group)] = position, min(r.oldest_version for r in group.rollouts)
+
+    def _mask_filtered(self, rollouts: list[Rollout]) -> None:
+        """Count ``rollouts``, dropped by an ``i3_on_group_scored`` plugin, as masked (:data:`FILTERED`)."""
+        if not rollouts:
+            return
+        self.ledger.mask(FILTERED, len(rollouts))
+        for rollout in rollouts:
+            self._log(rollout, rollout_log.MASKED.format(reason=FILTERED))
+        self._untrained(FILTERED, len(rollouts))
+
+    def _fail(self, example: Example, error: str) -> None:
+        """Count one rollout of ``example`` that ended without a rollout to train as failed, with ``error``."""
+        self.ledger.failed += 1
+        self._log_unscored(example, rollout_log.FAILED, error)
+        log.warning("rollout failed", example=example.id, error=error)
+        self._untrained(FAILED, error=error)
+
+    def _untrained(self, why: str, count: int = 1, error: str | None = None) -> None:
+        """Count ``count`` rollouts that will not be trained (``why``: a mask reason, or :data:`FAILED` with its
+        ``error``); stop the run once :data:`FAILED_IN_A_ROW` came one after another, none kept between them."""
+        self._untrained_in_a_row[why] += count
+        if error is not None:
+            self._last_failure = error
+        total = sum(self._untrained_in_a_row.values())
+        if total < FAILED_IN_A_ROW:
+            return
+        failed = self._untrained_in_a_row[FAILED]
+        if failed == total:
+            raise I3Error(f"{total} rollouts in a row failed, none succeeded between them; "
+                          f"the last: {self._last_failure}")
+        masked = [(reason, n) for reason, n in self._untrained_in_a_row.most_common() if reason != FAILED]
+        reasons = masked[0][0] if len(masked) == 1 else ", ".join(f"{reason} {n}" for reason, n in masked)
+        failures = f" or failed ({failed}, the last: {self._last_failure})" if failed else ""
+        raise I3Error(f"every rollout of the last {total} was masked ({reasons}){failures}; nothing can be trained")
+
+    def _malformed(self, rollout: Any) -> str | None:
+        """What makes ``rollout`` (from the env, or reshaped by a plugin) unfit to account, or None.
+
+        Called where a rollout comes back from the env and again once plugins had their say on its group. Numbers of
+        any real type (numpy, a 0-d tensor) become Python floats in place, so advantages, metrics and the saved state
+        see floats; a metric that is not a number is dropped (metrics are logged, never trained on), warned once per
+        name. A rollout that is not a :class:`Rollout`, a reward that is not a number, or token lists of different
+        lengths make the rollout fail.
+        """
+        if not isinstance(rollout, Rollout):
+            return f"{type(rollout).__name__}, not a Rollout"
+        reward = _real(rollout.reward)
+        if reward is None:
+            return f"a reward that is not a number: {rollout.reward!r}"
+        turn_rewards = [_real(r) for r in rollout.turn_rewards]
+        if None in turn_rewards:
+            return f"a turn reward that is not a number: {rollout.turn_rewards!r}"
+        names = ["completion_ids", "completion_logprobs", "completion_versions", "completion_mask"]
+        if rollout.completion_turns:
+            names.append("completion_turns")
+        lengths = {name: len(getattr(rollout, name)) for name in names}
+        if len(set(lengths.values())) > 1:
+            return "token lists of different lengths (" + ", ".join(f"{k} {n}" for k, n in lengths.items()) + ")"
+        rollout.reward, rollout.turn_rewards = reward, turn_rewards
+        metrics = {}
+        for name, value in rollout.metrics.items():
+            number = _real(value)
+            if number is not None:
+                metrics[name] = number
+            elif name not in self._dropped_metrics:
+                self._dropped_metrics.add(name)
+                log.warning("rollout metric dropped: not a number", env=self._env_label(), metric=name,
+                            value=repr(value)[:100])
+        rollout.metrics = metrics
+        return None
+
+    def _env_label(self) -> str:
+        """The env's name in the run's config (its class name where there is none), for error lines."""
+        return self._env_name or type(self.env).__name__
 
     def _log(self, rollout: Rollout, outcome: str, error: str | None = None) -> None:
         """Keep ``rollout``'s line for the next step's ``rollouts/step_N.jsonl`` (:mod:`i3core.loop.rollouts`)."""
@@ -446,8 +534,10 @@ class Orchestrator:
         stream = getattr(self.env, "example_stream", None)
         if stream is not None:
             yield from stream(rng)
-            return
+            raise I3Error(f"env '{self._env_label()}': its example_stream ended; it must yield prompts endlessly")
         examples = list(self.env.examples())
+        if not examples:
+            raise I3Error(f"env '{self._env_label()}' has no examples: its dataset is empty")
         while True:
             rng.shuffle(examples)
             yield from examples
@@ -663,10 +753,11 @@ class Orchestrator:
 
 
 def _untrainable(rollout: Rollout) -> str | None:
-    """Why ``rollout`` must not be trained on (a NaN/inf reward or model-token logprob, no model token), or None."""
+    """Why ``rollout`` must not be trained on (a NaN/inf reward or model-token logprob, a reward beyond
+    :data:`REWARD_LIMIT`, no model token), or None."""
     if not rollout.model_versions:
         return NO_MODEL_TOKENS
-    if not math.isfinite(rollout.reward):
+    if not all(math.isfinite(r) and abs(r) <= REWARD_LIMIT for r in [rollout.reward, *rollout.turn_rewards]):
         return NONFINITE_REWARD
     if any(m and not math.isfinite(lp) for lp, m in zip(rollout.completion_logprobs, rollout.completion_mask)):
         return NONFINITE_LOGPROB
@@ -708,3 +799,10 @@ def _metric_means(rollouts: list[Rollout]) -> dict[str, float]:
         for key, value in rollout.metrics.items():
             values.setdefault(key, []).append(float(value))
     return {f"metrics/{key}": sum(v) / len(v) for key, v in sorted(values.items())}
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a Python float if it is one real number (Python, numpy, a 0-d tensor), else None."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return float(value) if isinstance(value, numbers.Real) else None

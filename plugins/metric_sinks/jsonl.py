@@ -2,6 +2,7 @@
 
 import json
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import BinaryIO
@@ -52,7 +53,11 @@ class JsonlSink:
 
 
 def _json_number(value):
-    """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+    """A metric as JSON writes it: any real number (numpy, a 0-d tensor, as a plugin's metric may be) as a Python
+    number, NaN/inf as null (JSON has neither), so every line stays valid JSON."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, int):  # an int (a count, a bool) stays one
+        value = float(value)
+        return value if math.isfinite(value) else None
     return value
