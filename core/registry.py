@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pydantic
 
-from i3core.errors import PluginError
+from i3core.errors import I3Error, PluginError
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,19 @@ class Component:
         return self.cls.Config
 
     def build(self, config: pydantic.BaseModel):
-        """The component object, ``cls(config)``."""
-        return self.cls(config)
+        """The component object, ``cls(config)``.
+
+        :raises I3Error: the constructor raised; an error of its own kind (:class:`I3Error`, one line already) as it
+            is, anything else as one line naming the component and its plugin (it was an "internal error").
+        """
+        try:
+            return self.cls(config)
+        except I3Error:
+            raise
+        except Exception as exc:
+            text = str(exc).strip()
+            reason = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+            raise I3Error(f"{self.kind} {self.name!r} ({self.provider}) could not be built: {reason}") from exc
 
 
 class Registry:

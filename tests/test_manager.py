@@ -130,6 +130,22 @@ def test_broken_plugin_is_named_when_the_config_needs_it(site):
     assert "i3-plugin-broken" in problem.message and "boom at import" in problem.message
 
 
+def test_a_component_whose_constructor_raises_is_named_with_its_plugin(site):
+    """A plugin's bug in ``__init__`` was an i3core "internal error" naming nothing; it is one line naming the
+    component, its plugin and distribution (the plugin's exception is its cause); an I3Error goes as it is."""
+    from i3core.errors import I3Error
+
+    install_dist(site, "i3-plugin-ctor", "plug_ctor", LOSS_PLUGIN.format(cls="A", component="ctor-loss").replace(
+        "self.config = config", "raise KeyError('ctor bug')"))
+    plugins = load_plugins(entry_points=entry_points(site))
+    config = validate({"loss": {"use": "ctor-loss"}}, plugins)
+    with pytest.raises(I3Error) as failed:
+        config.get("loss").build()
+    assert str(failed.value) == ("loss 'ctor-loss' (plugin 'i3-plugin-ctor' from i3-plugin-ctor 1.0) could not be "
+                                 "built: KeyError: 'ctor bug'")
+    assert isinstance(failed.value.__cause__, KeyError)
+
+
 def test_register_hook_that_raises_is_a_clear_error(builtins):
     class Raises:
         @hookimpl
