@@ -415,3 +415,49 @@ def test_roles_check_their_arguments_before_waiting_for_the_trainer(tmp_path):
                                 text=True, timeout=60)
         assert result.returncode in (1, 2) and "waiting for version 0" not in result.stdout + result.stderr
         assert expect in result.stderr.splitlines()[-1], result.stderr
+
+
+BOOM_LOSS = """
+from pydantic import BaseModel, ConfigDict
+from i3core import hookimpl
+
+class Boom:
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        mask_low: float = 0.0  # the quickstart's [loss] options (icepop's)
+        mask_high: float = 0.0
+        rollout_min_ratio: float = 0.0
+
+    def __init__(self, config):
+        self.config = config
+
+    def __call__(self, inputs):
+        raise RuntimeError("loss bug")
+
+@hookimpl
+def i3_register_losses(register):
+    register("boom-loss", Boom)
+"""
+
+
+def test_a_plugin_that_raises_in_the_trainer_is_named_where_it_raised(tmp_path):
+    """A loss plugin's bug in the trainer process: the run's last line says what was raised and where (the
+    plugin's file and function), the traceback stays in logs/trainer.log (before: "the trainer exited with 1;
+    see ...trainer.log", naming nothing)."""
+    import os
+
+    from .test_manager import install_dist
+
+    site = tmp_path / "site"
+    site.mkdir()
+    install_dist(site, "i3-plugin-boom", "plug_boom", BOOM_LOSS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "run"
+    result = run_cli("run", str(ROOT / "examples" / "quickstart.toml"), "--set", f"run.output_dir='{out}'",
+                     "--set", "loss.use='boom-loss'", "--set", "sft.steps=0", "--set", "run.max_steps=2", env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    module = next(site.glob("plug_boom*.py"))
+    assert last.startswith(f"error: the trainer failed: RuntimeError: loss bug (raised at {module}:"), last
+    assert last.endswith(" in __call__)") and "Traceback" not in result.stderr
+    assert "Traceback" in (out / "logs" / "trainer.log").read_text()

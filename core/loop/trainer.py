@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -777,13 +778,35 @@ def main(argv=None, config: RunConfig | None = None, output=None, doorbell=None)
         print(f"error: {exc}", file=output or sys.stderr, flush=True)
         return getattr(exc, "exit_code", 1)
     except Exception as exc:
-        if config is None or not disk_full(exc):
+        if config is not None and disk_full(exc):
+            print(f"error: {full_disk_message(config.run.out, exc)}", file=output or sys.stderr, flush=True)
+            return 1
+        if config is None or os.environ.get("I3CORE_DEBUG", "") not in ("", "0"):
             raise
-        print(f"error: {full_disk_message(config.run.out, exc)}", file=output or sys.stderr, flush=True)
+        # a plugin's bug (a loss, an optimizer, a model) or ours: the traceback stays in this log, the run shows
+        # the line below, which says where it was raised (before: "the trainer exited with 1; see trainer.log")
+        traceback.print_exc(file=output or sys.stderr)
+        print(f"error: the trainer failed: {type(exc).__name__}: {_first_line(exc)} ({_raised_at(exc)})",
+              file=output or sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _raised_at(exc: BaseException) -> str:
+    """Where ``exc`` was raised, as ``file:line in function``: the innermost frame outside torch (a plugin's loss
+    that hands torch a wrong shape is named, not torch's own function)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    outside = [f for f in frames if not f.filename.startswith(torch_dir)] or frames
+    frame = outside[-1]
+    return f"raised at {frame.filename}:{frame.lineno} in {frame.name}"
+
 
 class Stopped(I3Error):
     """The trainer stopped before the run's end on request (SIGTERM, a restart): its exit code says which."""
