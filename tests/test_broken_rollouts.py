@@ -88,6 +88,11 @@ class CancelsItself(ReverseText):
         raise asyncio.CancelledError()
 
 
+class Exits(ReverseText):
+    async def rollout(self, client, example):
+        raise SystemExit(3)
+
+
 class EmptiesGroups:
     @hookimpl
     def i3_on_group_scored(self, group):
@@ -105,7 +110,10 @@ def env(cls):
     (ReverseText, (EmptiesGroups(),), f"every rollout of the last {FAILED_IN_A_ROW} was masked (group_filtered)"),
     (CancelsItself, (), f"{FAILED_IN_A_ROW} rollouts in a row failed, none succeeded between them; "
                         "the last: cancelled by the env"),
-], ids=["nan_reward", "reward_beyond_float32", "no_model_tokens", "hook_empties_groups", "env_cancels_itself"])
+    (Exits, (), f"{FAILED_IN_A_ROW} rollouts in a row failed, none succeeded between them; "
+                "the last: RuntimeError: the env called sys.exit(3)"),  # was the process's exit 3, no line
+], ids=["nan_reward", "reward_beyond_float32", "no_model_tokens", "hook_empties_groups", "env_cancels_itself",
+        "env_calls_sys_exit"])
 def test_a_run_that_can_train_nothing_stops_with_one_line_saying_why(tmp_path, broken, plugins, line):
     orch = orchestrator(tmp_path, env(broken), *plugins)
     with pytest.raises(I3Error) as stopped:

@@ -87,10 +87,14 @@ def test_a_raising_reward_function_scores_zero_and_is_recorded():
     def not_a_number(completion):
         return "yes"
 
-    score = run(Rubric([broken, fine, not_a_number]).score_rollout(state_for("x")))
+    def exits(completion):  # in a task of its own, sys.exit() left the event loop and ended the run, exit 3
+        raise SystemExit(3)
+
+    score = run(Rubric([broken, fine, not_a_number, exits]).score_rollout(state_for("x")))
     assert score.reward == 1.0
     assert score.metrics["broken"] == 0.0 and score.metrics["rubric_error/broken"] == 1.0
     assert score.metrics["rubric_error/fine"] == 0.0 and score.metrics["rubric_error/not_a_number"] == 1.0
+    assert score.metrics["rubric_error/exits"] == 1.0
 
 
 def test_a_reward_function_asking_for_an_unknown_argument_is_an_error_metric():
@@ -379,6 +383,27 @@ class Tools(ToolEnv):
 
 def call(name, **arguments):
     return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def quit_tool(code: int) -> str:
+    """Exit the process (a plugin's bug)."""
+    raise SystemExit(code)
+
+
+class QuittingTools(ToolEnv):
+    tools = (quit_tool,)
+
+    def load_examples(self):
+        return [Example("q0", "quit", answer="")]
+
+
+def test_a_tool_that_calls_sys_exit_is_an_error_the_model_reads_not_the_runs_exit(tok):
+    """Tool calls run in tasks of their own, out of which asyncio lets SystemExit leave the loop: a tool's
+    ``sys.exit(3)`` ended the run with exit 3 and no line. It is the call's error, as any exception is."""
+    env = QuittingTools(ToolConfig(max_tokens=400, max_total_tokens=2000, max_turns=2, tool_timeout_s=5))
+    client = ScriptedClient(tok, [call("quit_tool", code=3) + END, "done" + END])
+    rollout = run(env.rollout(client, env.examples()[0]))
+    assert [m["content"] for m in rollout.state["completion"] if m["role"] == "tool"] == ["Error: SystemExit: 3"]
 
 
 def test_tool_calls_results_and_errors_go_back_as_tool_messages(tok):

@@ -330,7 +330,7 @@ class Orchestrator:
             job.started = True
             self.ledger.started += 1
         job.slot.running += 1
-        task = asyncio.create_task(self.env.rollout(job.slot.client, job.group.example))
+        task = asyncio.create_task(_contained(self.env.rollout(job.slot.client, job.group.example)))
         task.add_done_callback(lambda _: self._wake.set())
         self._running[task] = job
 
@@ -395,7 +395,7 @@ class Orchestrator:
             self._open.discard(group)
             self._close_group(Group(group.example, group.rollouts), group.position)
             return
-        task = asyncio.create_task(score_group(group.rollouts))
+        task = asyncio.create_task(_contained(score_group(group.rollouts)))
         task.add_done_callback(lambda _: self._wake.set())
         self._scoring[task] = group
 
@@ -799,6 +799,16 @@ def _metric_means(rollouts: list[Rollout]) -> dict[str, float]:
         for key, value in rollout.metrics.items():
             values.setdefault(key, []).append(float(value))
     return {f"metrics/{key}": sum(v) / len(v) for key, v in sorted(values.items())}
+
+
+async def _contained(work):
+    """``await work`` (an env's rollout or group scoring) with a ``sys.exit()`` in it (a plugin's score, a tool)
+    its failure: asyncio lets SystemExit out of the loop, and the run ended with the plugin's exit code and no
+    line."""
+    try:
+        return await work
+    except SystemExit as exc:
+        raise RuntimeError(f"the env called sys.exit({exc.code!r})") from None
 
 
 def _real(value: Any) -> float | None:

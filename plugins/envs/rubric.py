@@ -70,9 +70,12 @@ class RewardFunc:
         return {n: available[n] for n in params if n in available}
 
     async def call(self, available: dict[str, Any]):
-        result = self.func(**self.wanted(available))
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = self.func(**self.wanted(available))
+            if inspect.isawaitable(result):
+                result = await result
+        except SystemExit as exc:  # in a task of its own: asyncio would let it out of the loop, ending the run
+            raise RuntimeError(f"{self.name} called sys.exit({exc.code!r})") from None
         return result
 
 

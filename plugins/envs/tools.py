@@ -180,8 +180,8 @@ class ToolEnv(MultiTurnEnv):
             return f"Error: {name} timed out after {self.config.tool_timeout_s:g}s"
         except (SandboxError, RolloutMasked):  # the sandbox failed, not the model's call: the rollout is masked
             raise
-        except Exception as exc:  # the model's call failed: it reads why
-            return f"Error: {type(exc).__name__}: {exc}"
+        except (Exception, SystemExit) as exc:  # the model's call failed: it reads why (sys.exit() in a tool,
+            return f"Error: {type(exc).__name__}: {exc}"  # in a task of its own, would end the run)
         text = result if isinstance(result, str) else json.dumps(result, default=str)
         return text[:MAX_RESULT_CHARS]
 
