@@ -388,8 +388,27 @@ def cross_check(config: RunConfig) -> list[Problem]:
     for spec in config.components.values():
         check = getattr(spec.component.cls, "check_config", None)
         if callable(check):
-            problems.extend(check(spec.config, config))
+            problems.extend(_checked(spec, check, config))
     return problems
+
+
+def _checked(spec: ComponentSpec, check, config: RunConfig) -> list[Problem]:
+    """What ``spec``'s ``check_config`` finds; a check that raises or returns something else than problems is
+    a problem of that plugin, named (it was an "internal error", or "error: None")."""
+    where = f"{spec.section}.use"
+    plugin = f"{spec.kind} {spec.name!r} ({spec.component.provider})"
+    try:
+        found = check(spec.config, config)
+    except I3Error:
+        raise
+    except Exception as exc:
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        return [Problem(where, f"{plugin}: its check_config raised {reason}")]
+    if not isinstance(found, list | tuple) or not all(isinstance(p, Problem) for p in found):
+        return [Problem(where, f"{plugin}: its check_config returned {type(found).__name__}, not a list of "
+                               "Problem")]
+    return list(found)
 
 
 def colocation_problems(config: RunConfig) -> list[Problem]:

@@ -180,3 +180,44 @@ def test_schema_validates_the_quickstart_and_rejects_a_typo(builtins):
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"env": {"use": "reverse-text", "max_operand": 3}}, schema)
     jsonschema.validate({"env": {"use": "arithmetic", "max_operand": 3}}, schema)
+
+
+def test_a_check_config_that_raises_or_returns_no_problems_list_is_a_problem_naming_its_plugin():
+    """A plugin's ``check_config`` bug was an "internal error" (it raised) or ``error: None`` (it returned
+    None): one problem at the section's ``use``, naming the component and its plugin."""
+    from pydantic import BaseModel, ConfigDict
+
+    from i3core import hookimpl
+    from i3core.errors import ConfigError
+    from i3core.testing import plugin_manager
+
+    class Raising:
+        class Config(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+
+        def __init__(self, config):
+            self.config = config
+
+        @staticmethod
+        def check_config(config, run):
+            raise KeyError("check bug")
+
+    class Garbage(Raising):
+        @staticmethod
+        def check_config(config, run):
+            return None
+
+    class Plugin:
+        @hookimpl
+        def i3_register_losses(self, register):
+            register("raising", Raising)
+            register("garbage", Garbage)
+
+    plugins = plugin_manager(Plugin(), installed=False)
+    for name, words in (("raising", "its check_config raised KeyError: 'check bug'"),
+                        ("garbage", "its check_config returned NoneType, not a list of Problem")):
+        with pytest.raises(ConfigError) as failed:
+            validate({"run": {"output_dir": "x"}, "loss": {"use": name}}, plugins)
+        (problem,) = failed.value.problems
+        assert problem.path == "loss.use" and problem.message.startswith(f"loss {name!r} (plugin ") and \
+            problem.message.endswith(words), problem.message
