@@ -1,6 +1,7 @@
 """The ``i3core`` command as a user runs it: real subprocesses, exit codes, no tracebacks."""
 
 import json
+import socket
 
 from .conftest import ROOT, run_cli
 
@@ -115,6 +116,15 @@ def test_env_eval_bad_input_is_one_line_errors():
     assert no_sandbox.returncode == 1 and "pass --sandbox" in no_sandbox.stderr
     for result in (unknown, bad_option, no_sandbox):
         assert "Traceback" not in result.stderr
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for args in ((), ("--json",)):  # was the errors soft-wrapped on stdout, no error line
+        down = run_cli("env", "eval", "reverse-text", "--n", "2", "--server", f"http://127.0.0.1:{port}", *args)
+        (line,) = down.stderr.strip().splitlines()
+        assert down.returncode == 1 and line.startswith(
+            f"error: all 2 rollouts of reverse-text failed; the first: ServerError: http://127.0.0.1:{port}/v1/"
+            "completions: ClientConnectorError: Cannot connect to host"), down.stderr
 
 
 def test_new_plugin_env_kind_writes_an_env_package(tmp_path):

@@ -567,9 +567,17 @@ def cmd_env_eval(args: argparse.Namespace) -> int:
 
     result, env_name = run_eval(args)
     summary = result.summary()
+    # none came back (a server that does not answer, an env that always raises): one line says why
+    nothing = None if result.rollouts else I3Error(
+        f"all {len(result.failed)} rollouts of {env_name} failed; the first: {result.failed[0][1]}" if result.failed
+        else f"no rollout of {env_name} came back")
     if args.json:
         print(json.dumps({"env": env_name, **summary, "errors": result.failed[:10]}, indent=2))
-        return 0 if result.rollouts else 1
+        if nothing is not None:
+            raise nothing
+        return 0
+    if nothing is not None:
+        raise nothing
     from rich.console import Console
     from rich.table import Table
 
@@ -583,7 +591,7 @@ def cmd_env_eval(args: argparse.Namespace) -> int:
         console.print(f"[yellow]failed[/] {example_id}: {error}")
     for key, value in summary.items():
         console.print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
-    return 0 if result.rollouts else 1
+    return 0
 
 
 def _completion_preview(rollout, limit: int = 120) -> str:
