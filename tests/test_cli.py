@@ -301,6 +301,8 @@ def test_serve_on_a_model_dir_that_cannot_load_is_one_line_and_announces_nothing
     assert f"cannot serve {broken}: hidden_size: " in line and "greater than" in line
     result = run_cli("serve", str(broken), "--port", "70000")  # argparse's usage, then its error
     assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith("must be at most 65535, got 70000")
+    result = run_cli("serve", str(broken), "--shutdown-grace-s", "nan")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].endswith("finite number of seconds >= 0, got nan")
 
 
 def test_serve_announces_the_port_it_listens_on_once_it_listens(tmp_path):

@@ -35,6 +35,17 @@ def _whole_number(minimum: int, maximum: int | None = None):
     return parse
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
 positive_int = _whole_number(1)
 non_negative_int = _whole_number(0)
 MAX_PORT = 65535
@@ -206,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the Bearer token the admin routes ask for (default: $I3CORE_ADMIN_TOKEN)")
     serve.add_argument("--weights-root", type=Path, action="append", default=[], metavar="DIR",
                        help="a directory /update_weights may load from (repeatable; default: DIR's parent)")
-    serve.add_argument("--shutdown-grace-s", type=float, default=5.0,
+    serve.add_argument("--shutdown-grace-s", type=seconds, default=5.0,
                        help="on SIGTERM/SIGINT, seconds requests in flight may take before they get a 503")
     serve.set_defaults(func=cmd_serve)
 
