@@ -171,7 +171,7 @@ MALFORMED = [
     ("POST", "/v1/completions", b"\xff\xfe\x00{\x80}", 400, "not valid JSON"),  # not UTF-8
     ("POST", "/v1/completions", b"", 400, "must be a JSON object"),
     ("POST", "/v1/completions", b"[1, 2, 3]", 400, "must be a JSON object"),
-    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "the body is nested more than 64 deep"),
     ("POST", "/v1/completions", b'{"prompt": {"a": 1}}', 400, "prompt must be"),
     ("POST", "/v1/completions", b'{"prompt": [1, true]}', 400, "prompt must be"),
     ("POST", "/v1/completions", b'{"prompt": [1, -1]}', 400, "prompt token ids must be in"),
