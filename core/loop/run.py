@@ -200,8 +200,11 @@ def train(run: Run, start: OrchestratorState | None = None) -> None:
     if config.trainer.colocate:
         trainer = TrainerThread(trainer_args, trainer_log, doorbell)
     else:
+        # a process group of its own: a terminal's Ctrl-C reaches this process alone, which stops the trainer
+        # itself (STOP: it checkpoints its last step); torchrun or the trainer taking it too raced the run's
+        # own handling (the trainer's exit read as its failure)
         trainer = subprocess.Popen([*trainer_launcher(config.trainer.nproc), "-m", TRAINER_MODULE, *trainer_args],
-                                   stdout=trainer_log, stderr=subprocess.STDOUT)
+                                   stdout=trainer_log, stderr=subprocess.STDOUT, process_group=0)
     in_main = threading.current_thread() is threading.main_thread()
     interrupt = Interrupt()
     sigterm = signal.signal(signal.SIGTERM, interrupt) if in_main else None

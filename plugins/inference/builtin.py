@@ -135,7 +135,10 @@ class ServerProcesses:
     def _launch(self, index: int) -> subprocess.Popen:
         cmd, env, log_path = self._launches[index]
         with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
-            return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            # a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches the process
+            # that started it, which stops its servers itself (close); they no longer shut down under a run that
+            # is still deciding what the interrupt means
+            return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, process_group=0)
 
     def _supervise(self, why_not: str | None) -> None:
         """Restart each crashed server, ``restarts`` times at most, until :meth:`close` (a daemon thread)."""
