@@ -95,6 +95,13 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
     wait_while_running(proc, lambda: len(read_metrics(out)) >= step, f"step {step}", timeout)
 
 
+def sigint_as_at_a_terminal() -> None:
+    """``preexec_fn`` of a process a test sends SIGINT: its default action back. A shell's background job (CI
+    started as ``bash .ci/run &``) starts with SIGINT ignored, which every child inherits, and Python then
+    installs no KeyboardInterrupt: the signal a terminal's Ctrl-C sends would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def killed_on_failure(proc: subprocess.Popen):
     """Kill ``proc`` (an ``i3core run``) if the block fails while it runs: a failed test leaves no run behind.

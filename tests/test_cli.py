@@ -394,8 +394,11 @@ def test_ctrl_c_while_the_cli_starts_is_interrupted_not_a_traceback(tmp_path):
     install_dist(tmp_path, "i3-plugin-slow", "plug_slow",
                  f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    from .conftest import sigint_as_at_a_terminal
+
     proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "check", str(ROOT / "examples" / "quickstart.toml")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=sigint_as_at_a_terminal)
     deadline = time.monotonic() + 60
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from .conftest import (LEDGER, ROOT, SERVERS, finish_run, interrupt_at_step, killed_on_failure, read_metrics,
-                       wait_for_step, wait_while_running)
+                       sigint_as_at_a_terminal, wait_for_step, wait_while_running)
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,8 @@ def test_ctrl_c_in_a_terminal_stops_every_process_and_the_trainer_checkpoints_it
     sets = ("sft.steps=2", "inference.use='builtin'")
     args = [sys.executable, "-m", "i3core.cli", "run", str(ROOT / "examples" / "quickstart.toml"), "--set",
             f"run.output_dir='{out}'", *[a for s in (*sets, "run.max_steps=400") for a in ("--set", s)]]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     with killed_on_failure(proc):
         wait_for_step(proc, out, 3)
         os.killpg(proc.pid, signal.SIGINT)
