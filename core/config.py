@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from i3core.errors import ConfigError, I3Error, Problem, did_you_mean
+from i3core.errors import ConfigError, I3Error, Problem, did_you_mean, exception_line
 from i3core.manager import Plugins, load_plugins
 from i3core.registry import KINDS, SECTION_KINDS, Component
 
@@ -402,9 +402,7 @@ def _checked(spec: ComponentSpec, check, config: RunConfig) -> list[Problem]:
     except I3Error:
         raise
     except Exception as exc:
-        text = str(exc).strip()
-        reason = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-        return [Problem(where, f"{plugin}: its check_config raised {reason}")]
+        return [Problem(where, f"{plugin}: its check_config raised {exception_line(exc)}")]
     if not isinstance(found, list | tuple) or not all(isinstance(p, Problem) for p in found):
         return [Problem(where, f"{plugin}: its check_config returned {type(found).__name__}, not a list of "
                                "Problem")]

@@ -100,6 +100,12 @@ class Problem:
         return f"Problem({self.path!r}, {self.message!r})"
 
 
+def exception_line(exc: BaseException) -> str:
+    """``exc`` in one line for an error message: ``KeyError: 'x'`` (its first line), or its type alone."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pydantic
 
-from i3core.errors import I3Error, PluginError
+from i3core.errors import I3Error, PluginError, exception_line
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,8 @@ class Component:
         except I3Error:
             raise
         except Exception as exc:
-            text = str(exc).strip()
-            reason = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-            raise I3Error(f"{self.kind} {self.name!r} ({self.provider}) could not be built: {reason}") from exc
+            raise I3Error(f"{self.kind} {self.name!r} ({self.provider}) could not be built: "
+                          f"{exception_line(exc)}") from exc
 
 
 class Registry:

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from i3core.loop import checkpoint, resume
 from i3core.config import RunConfig, load_config, with_defaults
-from i3core.errors import I3Error
+from i3core.errors import I3Error, exception_line
 from i3core.files import atomic_write_bytes, disk_full, write_torch
 from i3core.lifetime import run_gone
 from i3core.packed import predecessors
@@ -786,17 +786,12 @@ def main(argv=None, config: RunConfig | None = None, output=None, doorbell=None)
         # a plugin's bug (a loss, an optimizer, a model) or ours: the traceback stays in this log, the run shows
         # the line below, which says where it was raised (before: "the trainer exited with 1; see trainer.log")
         traceback.print_exc(file=output or sys.stderr)
-        print(f"error: the trainer failed: {type(exc).__name__}: {_first_line(exc)} ({_raised_at(exc)})",
+        print(f"error: the trainer failed: {exception_line(exc)} ({_raised_at(exc)})",
               file=output or sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
 
 def _raised_at(exc: BaseException) -> str:
     """Where ``exc`` was raised, as ``file:line in function``: the innermost frame outside torch (a plugin's loss
