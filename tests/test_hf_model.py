@@ -477,7 +477,8 @@ def test_i3core_run_on_a_model_with_dropout_matches_the_servers_logprobs(tmp_pat
     assert rows[0]["mismatch/same_version_tokens"] > 0 and rows[0]["mismatch/same_version_abs_diff"] < 1e-4
     kept = hf_run(tmp_path / "kept", directory, "run.max_steps=1", "scheduler.batch_size=16",
                   "scheduler.group_size=4", "scheduler.inflight=16", "trainer.disable_dropout=false")
-    assert kept[0]["mismatch/same_version_abs_diff"] > 1e-2
+    # ten times the bound for agreement: the gap depends on the random mask (one CI run drew 0.0099)
+    assert kept[0]["mismatch/same_version_abs_diff"] > 1e-3
 
 
 # -- the whole stack ----------------------------------------------------------------------------------------------
