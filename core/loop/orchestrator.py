@@ -410,10 +410,7 @@ class Orchestrator:
         kept = []
         for rollout in group.rollouts:  # after every plugin had its say: nothing untrainable reaches a batch
             if (problem := self._malformed(rollout)) is not None:
-                self.ledger.failed += 1
-                self._log_unscored(group.example, rollout_log.FAILED, f"after group scoring: {problem}")
-                log.warning("rollout failed", example=group.example.id, error=f"after group scoring: {problem}")
-                self._untrained(FAILED, error=f"after group scoring: {problem}")
+                self._fail(group.example, f"after group scoring: {problem}")
             elif (reason := _untrainable(rollout)) is not None:
                 self.ledger.mask(reason)
                 self._log(rollout, rollout_log.MASKED.format(reason=reason))
