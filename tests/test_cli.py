@@ -3,7 +3,7 @@
 import json
 import socket
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, run_cli, sigint_as_at_a_terminal
 
 
 def test_help_on_every_command():
@@ -394,8 +394,6 @@ def test_ctrl_c_while_the_cli_starts_is_interrupted_not_a_traceback(tmp_path):
     install_dist(tmp_path, "i3-plugin-slow", "plug_slow",
                  f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    from .conftest import sigint_as_at_a_terminal
-
     proc = subprocess.Popen([sys.executable, "-m", "i3core.cli", "check", str(ROOT / "examples" / "quickstart.toml")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=sigint_as_at_a_terminal)

@@ -793,6 +793,7 @@ def main(argv=None, config: RunConfig | None = None, output=None, doorbell=None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
+
 def _raised_at(exc: BaseException) -> str:
     """Where ``exc`` was raised, as ``file:line in function``: the innermost frame outside torch (a plugin's loss
     that hands torch a wrong shape is named, not torch's own function)."""
