@@ -235,3 +235,31 @@ def test_the_jsonl_sink_writes_numpy_and_torch_numbers(tmp_path):
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row == {"step": 1, "a": 0.5, "b": 2.0, "c": 3, "d": None, "e": 4, "f": True}
     assert type(row["c"]) is int
+
+
+class TextRewards:
+    """Reshapes one reward of each group into text, as a buggy ``i3_on_group_scored`` plugin may."""
+
+    @hookimpl
+    def i3_on_group_scored(self, group):
+        group.rollouts[0].reward = "abc"
+
+
+def test_a_rollout_a_plugin_breaks_after_group_scoring_fails_alone(tmp_path):
+    """Checked again once plugins had their say on the group: the broken rollout fails naming when, the others
+    train."""
+    orch = orchestrator(tmp_path, env(ReverseText), TextRewards(), group_size=4, batch_size=4, inflight=4)
+
+    async def one_group():
+        orch._fill()
+        await asyncio.gather(*orch._running)
+        orch._collect()
+        await asyncio.gather(*orch._scoring)
+        orch._collect()
+
+    asyncio.run(one_group())
+    assert orch.ledger.failed == 1 and orch.ledger.masked == 0
+    errors = [line["error"] for line in orch.rollout_log.pending if line["outcome"] == "failed"]
+    assert errors == ["after group scoring: a reward that is not a number: 'abc'"], errors
+    [group] = orch._ready
+    assert len(group.rollouts) == 3 and orch._untrained_in_a_row == {}
